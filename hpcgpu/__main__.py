@@ -1,0 +1,3 @@
+from hpcgpu.cli import main
+
+main()

@@ -1,0 +1,75 @@
+"""The `hpcgpu` command. Subcommands load lazily so `hpcgpu --help` never imports torch."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from hpcgpu import __version__
+from hpcgpu.errors import HpcgpuError
+
+# name -> (module:attribute, one-line help shown by `hpcgpu --help` without importing the module)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("hpcgpu.cli.validate:validate", "Check a spec and print its resolved summary."),
+    "sbatch": ("hpcgpu.cli.sbatch:sbatch", "Write a readable sbatch script for a spec."),
+    "submit": ("hpcgpu.cli.submit:submit", "Submit a spec to SLURM or run it with the local executor."),
+    "run": ("hpcgpu.cli.run:run", "The in-job entrypoint (one process per GPU)."),
+    "schema": ("hpcgpu.cli.schema:schema", "Print the JSON Schema of the spec (for editors)."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, _, attr = COMMANDS[name][0].partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, short) for name, (_, short) in COMMANDS.items()])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpcgpu")
+@click.option("--debug", is_flag=True, envvar="HPCGPU_DEBUG", help="Show tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """hpcgpu: one experiment spec, from a laptop to a SLURM GPU cluster.
+
+    \b
+      hpcgpu submit exp.yaml --gpus 4            to the cluster
+      hpcgpu submit exp.yaml --executor local    the same job here
+      hpcgpu sbatch exp.yaml -o job.sbatch       a file to sbatch by hand
+    """
+    ctx.obj = {"debug": debug}
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console entry point: the one place errors become a line on stderr and an exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args or os.environ.get("HPCGPU_DEBUG", "") not in ("", "0")
+    try:
+        rv = cli.main(args=args, prog_name="hpcgpu", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("hpcgpu: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except HpcgpuError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"hpcgpu: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("hpcgpu: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,33 @@
+"""`hpcgpu sbatch SPEC -o FILE`: a readable sbatch script, with the resolved spec in the run dir."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.errors import UsageError
+from hpcgpu.launch.rundir import make_run_dir, write_atomic
+from hpcgpu.launch.sbatch import render_sbatch
+
+
+@click.command()
+@spec_options
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Also write the script here (it is always written to the run dir as job.sbatch).")
+def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None,
+           output: str | None) -> None:
+    """Write an sbatch script for SPEC; submit it with `sbatch FILE`."""
+    spec = read_spec(spec_file, overrides, gpus, nodes)
+    if output and Path(output).parent and not Path(output).parent.exists():
+        raise UsageError(f"-o {output}: the folder {Path(output).parent} does not exist")
+    run_dir = make_run_dir(spec)
+    spec_path = run_dir / "spec.yaml"
+    text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))
+    write_atomic(run_dir / "job.sbatch", text, mode=0o755)
+    if output:
+        write_atomic(Path(output), text, mode=0o755)
+    click.echo(f"script   {output or run_dir / 'job.sbatch'}")
+    click.echo(f"spec     {spec_path}")
+    click.echo(f"run dir  {run_dir}")
+    click.echo(f"submit:  sbatch {output or run_dir / 'job.sbatch'}")

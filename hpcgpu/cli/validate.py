@@ -1,0 +1,36 @@
+"""`hpcgpu validate SPEC`: check a spec and print the resolved summary."""
+from __future__ import annotations
+
+import click
+
+from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.launch.options import sbatch_options
+from hpcgpu.spec import dump_spec
+
+
+@click.command()
+@spec_options
+@click.option("--full", is_flag=True, help="Print the whole resolved spec as YAML.")
+def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, full: bool) -> None:
+    """Check SPEC and print what it resolves to."""
+    spec = read_spec(spec_file, overrides, gpus, nodes)
+    r = spec.resources
+    click.echo(f"{spec_file}: ok")
+    click.echo(f"  name      {spec.name}")
+    click.echo(f"  task      {spec.task}")
+    click.echo(f"  ranks     {spec.world_size} ({r.nodes} node(s) x {r.gpus} GPU(s), "
+               f"{r.cpus_per_gpu} CPU(s) per rank)")
+    click.echo(f"  time      {r.time}")
+    click.echo(f"  strategy  {spec.distributed.strategy}")
+    if spec.task == "train":
+        t = spec.train
+        click.echo(f"  model     {spec.model.name_or_path or spec.model.config.get('model_type')}")
+        click.echo(f"  batch     {t.global_batch_size} sequences/step x {spec.data.seq_len} tokens, "
+                   f"micro batch {t.micro_batch_size}, {t.max_steps} steps")
+    if spec.task == "command":
+        click.echo(f"  command   {' '.join(spec.command or [])}")
+    opts = " ".join(f"--{k}" + ("" if v is None else f"={v}") for k, v in sbatch_options(spec, __import__('pathlib').Path("RUN_DIR")))
+    click.echo(f"  sbatch    {opts}")
+    if full:
+        click.echo("---")
+        click.echo(dump_spec(spec), nl=False)

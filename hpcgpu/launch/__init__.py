@@ -1,0 +1,1 @@
+"""Host side: sbatch rendering, executors, registry, scheduler queries. Never imports torch or runtime/."""

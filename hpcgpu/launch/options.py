@@ -1,0 +1,50 @@
+"""The one mapping from a spec to SLURM job options, used by `hpcgpu sbatch` and `hpcgpu submit`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hpcgpu.spec.derive import mem_per_node
+from hpcgpu.spec.schema import Spec
+
+
+def gpu_request(spec: Spec) -> tuple[str, str]:
+    r = spec.resources
+    if spec.slurm.gpu_request == "gpus-per-node":
+        return "gpus-per-node", f"{r.gpu_type}:{r.gpus}" if r.gpu_type else str(r.gpus)
+    return "gres", f"gpu:{r.gpu_type}:{r.gpus}" if r.gpu_type else f"gpu:{r.gpus}"
+
+
+def sbatch_options(spec: Spec, run_dir: Path) -> list[tuple[str, str | None]]:
+    """(option, value) pairs in the order they are rendered; value None means a bare flag."""
+    r, s = spec.resources, spec.slurm
+    opts: list[tuple[str, str | None]] = [
+        ("job-name", spec.name),
+        ("nodes", str(r.nodes)),
+        ("ntasks-per-node", str(r.gpus)),
+        gpu_request(spec),
+        ("cpus-per-task", str(r.cpus_per_gpu)),
+    ]
+    mem = mem_per_node(spec)
+    if mem:
+        opts.append(("mem", mem))
+    opts.append(("time", r.time))
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(s, key)
+        if value:
+            opts.append((key, value))
+    opts += [
+        ("output", str(run_dir / "slurm-%j.out")),
+        ("error", str(run_dir / "slurm-%j.err")),
+        ("signal", s.signal),
+    ]
+    if s.requeue:
+        opts.append(("requeue", None))
+    else:
+        opts.append(("no-requeue", None))
+    opts.append(("open-mode", "append"))
+    for key, value in s.extra.items():
+        if value is True:
+            opts.append((key, None))
+        elif value is not False:
+            opts.append((key, str(value)))
+    return opts

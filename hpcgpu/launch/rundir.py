@@ -1,0 +1,30 @@
+"""Run directories: runs/<name>/<id>/ with the fully resolved spec.yaml inside."""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+from hpcgpu.spec import Spec, dump_spec
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def make_run_dir(spec: Spec, root: str | os.PathLike | None = None, run_id: str | None = None) -> Path:
+    """Create the run dir and write spec.yaml atomically (never a half-written spec)."""
+    base = Path(root if root is not None else spec.runs_dir).expanduser()
+    run_dir = (base / spec.name / (run_id or new_run_id())).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "spec.yaml", dump_spec(spec))
+    return run_dir
+
+
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    if mode is not None:
+        tmp.chmod(mode)
+    os.replace(tmp, path)

@@ -1,0 +1,234 @@
+"""Load a spec: YAML (with line numbers) -> overrides -> typed Spec -> cross-field checks."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from hpcgpu.errors import SpecError
+from hpcgpu.spec.parse import LineMap, parse_section, section_fields, to_plain
+from hpcgpu.spec.schema import ENV_NAME_RE, SBATCH_OPT_RE, Spec
+
+
+class _LineLoader(yaml.SafeLoader):
+    """SafeLoader that remembers the line of every mapping key, by dotted path."""
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self.key_lines: dict[int, dict[str, int]] = {}
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
+    loader.flatten_mapping(node)
+    out: dict = {}
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, (str, int, float, bool)):
+            raise SpecError("", f"line {key_node.start_mark.line + 1}: mapping keys must be plain words")
+        if key in out:
+            raise SpecError(str(key), f"line {key_node.start_mark.line + 1}: key given twice")
+        out[key] = loader.construct_object(value_node, deep=True)
+        lines[str(key)] = key_node.start_mark.line + 1
+    loader.key_lines[id(out)] = lines
+    return out
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_yaml(text: str, source: str) -> tuple[Any, LineMap]:
+    lines = LineMap(source)
+    loader = _LineLoader(text)
+    try:
+        data = loader.get_single_data()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f":{mark.line + 1}" if mark else ""
+        raise SpecError("", f"not valid YAML: {exc.problem}", source=f"{source}{where}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError("", f"not valid YAML: {exc}", source=source) from None
+    finally:
+        loader.dispose()
+    _collect_lines(data, "", loader.key_lines, lines.lines)
+    return data, lines
+
+
+def _collect_lines(data: Any, path: str, key_lines: dict[int, dict[str, int]], out: dict[str, int]) -> None:
+    if isinstance(data, dict):
+        for key, line in key_lines.get(id(data), {}).items():
+            sub = f"{path}.{key}" if path else key
+            out[sub] = line
+            _collect_lines(data.get(key if key in data else _orig_key(data, key)), sub, key_lines, out)
+
+
+def _orig_key(data: dict, key: str) -> Any:
+    return next((k for k in data if str(k) == key), key)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=c` -> ("a.b", yaml-typed c)."""
+    if "=" not in item:
+        raise SpecError("", f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)*$", key):
+        raise SpecError("", f"--set {item!r}: the key must be dotted words like train.lr")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text  # an unparseable value is taken as the literal string
+    return key, value
+
+
+def apply_overrides(raw: dict, overrides: Iterable[str], lines: LineMap) -> dict:
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(out, key, value, lines)
+        lines.flags[key] = f"--set {item}"
+    return out
+
+
+def set_dotted(raw: dict, key: str, value: Any, lines: LineMap) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise lines.error(".".join(parts[: i + 1]), f"is {child!r}, not a mapping: cannot set {key}")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_spec(
+    path: str | os.PathLike,
+    overrides: Iterable[str] = (),
+    gpus: int | None = None,
+    nodes: int | None = None,
+) -> Spec:
+    """Read, override and validate a spec file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise SpecError("", "spec file not found", source=str(path)) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise SpecError("", f"cannot read the spec: {exc.__class__.__name__}", source=str(path)) from None
+    if not text.strip():
+        raise SpecError("", "the spec file is empty; it needs at least `name:`", source=str(path))
+    raw, lines = read_yaml(text, str(path))
+    spec = spec_from_raw(raw, lines, overrides, gpus=gpus, nodes=nodes)
+    return resolve_paths(spec, p.resolve().parent)
+
+
+def resolve_paths(spec: Spec, base: Path) -> Spec:
+    """Input files named in a spec are relative to the spec's folder; the resolved spec holds them absolute.
+
+    runs_dir stays relative to where the command runs, like any output folder a tool writes.
+    """
+    def absolute(value: str | None, must_exist: bool = False) -> str | None:
+        if not value or os.path.isabs(value):
+            return value
+        candidate = base / value
+        if must_exist and not candidate.exists():
+            return value  # not a local path: a hub id such as gpt2
+        return str(candidate.resolve())
+
+    data = dataclasses.replace(spec.data, train=absolute(spec.data.train), eval=absolute(spec.data.eval))
+    model = dataclasses.replace(spec.model, name_or_path=absolute(spec.model.name_or_path, must_exist=True))
+    ds = dataclasses.replace(spec.distributed.deepspeed, config=absolute(spec.distributed.deepspeed.config))
+    dist = dataclasses.replace(spec.distributed, deepspeed=ds)
+    runs_dir = str(Path(spec.runs_dir).expanduser().resolve())
+    return dataclasses.replace(spec, data=data, model=model, distributed=dist, runs_dir=runs_dir)
+
+
+def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[str] = (),
+                  gpus: int | None = None, nodes: int | None = None) -> Spec:
+    lines = lines or LineMap()
+    if not isinstance(raw, dict):
+        raise lines.error("", f"the spec must be a mapping of keys (name:, task:, ...), got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides, lines)
+    for flag, key, value in (("--gpus", "resources.gpus", gpus), ("--nodes", "resources.nodes", nodes)):
+        if value is not None:
+            set_dotted(raw, key, value, lines)
+            lines.flags[key] = f"{flag} {value}"
+    spec = parse_section(Spec, raw, "", lines)
+    check_spec(spec, lines)
+    return spec
+
+
+def check_spec(spec: Spec, lines: LineMap) -> None:
+    """Checks that span several keys."""
+    if spec.task == "train":
+        if not (spec.model.name_or_path or spec.model.config):
+            raise lines.error("model", "task: train needs model.name_or_path or model.config")
+        if not spec.data.train:
+            raise lines.error("data.train", "task: train needs a training text file")
+    if spec.task == "command" and not spec.command:
+        raise lines.error("command", "task: command needs `command: [program, args...]`")
+    if spec.task == "callable" and not spec.entry:
+        raise lines.error("entry", "task: callable needs `entry: pkg.module:function`")
+    if spec.model.config is not None and "model_type" not in spec.model.config:
+        raise lines.error("model.config", "needs model_type (e.g. gpt2, llama)")
+    ds = spec.distributed.deepspeed
+    if ds.offload_params and ds.zero_stage != 3:
+        raise lines.error("distributed.deepspeed.offload_params", "needs zero_stage: 3")
+    for name in spec.env:
+        if not re.match(ENV_NAME_RE, name):
+            raise lines.error(f"env.{name}", "is not a valid environment variable name")
+    for opt, value in spec.slurm.extra.items():
+        if not re.match(SBATCH_OPT_RE, opt):
+            raise lines.error(f"slurm.extra.{opt}", "is not an sbatch option name (like mail-type)")
+        if isinstance(value, str) and re.search(r"[\x00-\x1f]", value):
+            raise lines.error(f"slurm.extra.{opt}", "must be one line without control characters")
+    _check_batch(spec, lines)
+    _check_sweep(spec, lines)
+
+
+def _check_batch(spec: Spec, lines: LineMap) -> None:
+    t, world = spec.train, spec.world_size
+    if spec.task != "train":
+        return
+    if t.global_batch_size % world:
+        raise lines.error("train.global_batch_size",
+                          f"{t.global_batch_size} is not divisible by the {world} ranks (nodes x gpus)")
+    if t.micro_batch_size != "auto" and (t.global_batch_size // world) % t.micro_batch_size:
+        raise lines.error("train.micro_batch_size",
+                          f"{t.micro_batch_size} does not divide the {t.global_batch_size // world} "
+                          f"sequences per rank (global_batch_size / ranks)")
+
+
+def _check_sweep(spec: Spec, lines: LineMap) -> None:
+    for key, values in spec.sweep.items():
+        if not isinstance(values, list) or not values:
+            raise lines.error(f"sweep.{key}", "needs a non-empty list of values")
+        section: Any = Spec
+        for part in key.split("."):
+            if not dataclasses.is_dataclass(section):
+                break  # below a free-form mapping (model.config.n_layer): any key goes
+            fields = section_fields(section)
+            if part not in fields:
+                raise lines.error(f"sweep.{key}", f"no spec key '{key}' to sweep; "
+                                  f"valid keys here: {', '.join(fields)}")
+            section = typing.get_type_hints(section)[fields[part].name]
+
+
+def spec_to_dict(spec: Spec) -> dict:
+    return to_plain(spec)
+
+
+def dump_spec(spec: Spec) -> str:
+    return yaml.safe_dump(spec_to_dict(spec), sort_keys=False, default_flow_style=False, width=100)
+
+
+def spec_from_mapping(data: Mapping[str, Any]) -> Spec:
+    return spec_from_raw(dict(data))

@@ -1,0 +1,165 @@
+"""Turn plain mappings into the typed Spec, with errors that name the key path and the file line."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import re
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+from hpcgpu.errors import SpecError
+
+
+class LineMap:
+    """Where each dotted key came from: a file line, or the --set flag that set it."""
+
+    def __init__(self, source: str | None = None):
+        self.source = source
+        self.lines: dict[str, int] = {}
+        self.flags: dict[str, str] = {}
+
+    def error(self, path: str, message: str) -> SpecError:
+        for prefix in _prefixes(path):
+            if prefix in self.flags:
+                return SpecError(path, message, source=self.flags[prefix])
+            if prefix in self.lines:
+                return SpecError(path, message, source=self.source, line=self.lines[prefix])
+        return SpecError(path, message, source=self.source)
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def section_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """YAML key -> dataclass field of a spec section."""
+    return {yaml_key(f): f for f in dataclasses.fields(cls)}
+
+
+def parse_section(cls: type, raw: Any, path: str, lines: LineMap) -> Any:
+    if not isinstance(raw, dict):
+        raise lines.error(path or "(top level)", f"must be a mapping of keys, got {_kind(raw)}")
+    fields = section_fields(cls)
+    for key in raw:
+        if key not in fields:
+            raise lines.error(_join(path, str(key)), _unknown_key_message(str(key), list(fields)))
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, f in fields.items():
+        sub = _join(path, key)
+        if key not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+                raise lines.error(sub, "is required")
+            continue
+        kwargs[f.name] = parse_value(hints[f.name], raw[key], sub, lines, f.metadata)
+    return cls(**kwargs)
+
+
+def _unknown_key_message(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown key{hint}; valid keys: {', '.join(valid)}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}.get(type(value), type(value).__name__) + f" ({value!r})"[:60]
+
+
+def parse_value(tp: Any, value: Any, path: str, lines: LineMap, meta: Any = None) -> Any:
+    meta = meta or {}
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return parse_section(tp, {} if value is None else value, path, lines)
+    if origin is Union:
+        return _parse_union(tp, value, path, lines, meta)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices or isinstance(value, bool) != any(isinstance(c, bool) for c in choices if c == value):
+            raise lines.error(path, f"must be one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise lines.error(path, f"must be a list, got {_kind(value)}")
+        (item,) = get_args(tp)
+        return [parse_value(item, v, f"{path}[{i}]", lines) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise lines.error(path, f"must be a mapping, got {_kind(value)}")
+        _, item = get_args(tp)
+        return {str(k): parse_value(item, v, _join(path, str(k)), lines) for k, v in value.items()}
+    return _parse_scalar(tp, value, path, lines, meta)
+
+
+def _parse_union(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> Any:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if value is None:
+        if type(None) in get_args(tp):
+            return None
+        raise lines.error(path, "must not be empty")
+    errors: list[str] = []
+    for arg in args:
+        try:
+            return parse_value(arg, value, path, lines, meta)
+        except SpecError as exc:
+            errors.append(exc.message)
+    raise lines.error(path, " or ".join(dict.fromkeys(errors)))
+
+
+def _parse_scalar(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> Any:
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise lines.error(path, f"must be true or false, got {_kind(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise lines.error(path, f"must be an integer, got {_kind(value)}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise lines.error(path, f"must be a number, got {_kind(value)}")
+        value = float(value)
+    elif tp is str:
+        was_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if was_number and "pattern" in meta:
+            value = str(value)  # "32" for a size, partition "123": YAML typed them as numbers
+        if not isinstance(value, str):
+            raise lines.error(path, f"must be a string, got {_kind(value)}")
+        if "pattern" in meta and not re.match(meta["pattern"], value):
+            hint = " (YAML read the unquoted value as a number: put it in quotes)" if was_number else ""
+            raise lines.error(path, f"must be {meta['fmt']}; got {value!r}{hint}")
+        return value
+    if "min" in meta and value < meta["min"]:
+        raise lines.error(path, f"must be >= {meta['min']}, got {value}")
+    if "max" in meta and value > meta["max"]:
+        raise lines.error(path, f"must be <= {meta['max']}, got {value}")
+    return value
+
+
+def to_plain(obj: Any) -> Any:
+    """A spec (or section) as plain YAML-able data, with the YAML key names."""
+    if dataclasses.is_dataclass(obj):
+        return {yaml_key(f): to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    return obj

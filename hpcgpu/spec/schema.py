@@ -1,0 +1,177 @@
+"""The experiment spec as typed, frozen dataclasses.
+
+Each section owns a small dataclass. Field metadata carries the checks (range, pattern, choices) and
+the help text, so the parser, the validator and the JSON Schema all read one description.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+NAME_RE = r"^[A-Za-z0-9_.-]+$"
+TIME_RE = r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$"
+SIGNAL_RE = r"^(B:)?(SIG)?[A-Z0-9]+@\d+$"
+MEM_RE = r"^\d+(\.\d+)?[KMGT]?$"
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
+SBATCH_OPT_RE = r"^[a-z][a-z0-9-]*$"
+DEVICES_RE = r"^\d+(,\d+)*$"
+ENTRY_RE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+def meta(help: str, *, min: float | None = None, max: float | None = None, pattern: str | None = None,
+         key: str | None = None, fmt: str | None = None) -> dict[str, Any]:
+    """Field metadata read by the parser and the JSON Schema generator."""
+    out: dict[str, Any] = {"help": help}
+    if min is not None:
+        out["min"] = min
+    if max is not None:
+        out["max"] = max
+    if pattern is not None:
+        out["pattern"] = pattern
+        out["fmt"] = fmt or pattern
+    if key is not None:
+        out["key"] = key
+    return out
+
+
+@dataclass(frozen=True)
+class Resources:
+    nodes: int = field(default=1, metadata=meta("number of nodes", min=1))
+    gpus: int = field(default=1, metadata=meta("GPUs per node; one task (rank) per GPU", min=1))
+    cpus_per_gpu: int = field(default=4, metadata=meta("CPU cores per task", min=1))
+    mem_per_gpu: Optional[str] = field(default=None, metadata=meta(
+        "host memory per GPU, e.g. 32G (the node request is this times gpus)", pattern=MEM_RE,
+        fmt="a size like 32G, 512M or 1T"))
+    time: str = field(default="01:00:00", metadata=meta(
+        "time limit", pattern=TIME_RE, fmt="HH:MM:SS or D-HH:MM:SS"))
+    gpu_type: Optional[str] = field(default=None, metadata=meta(
+        "GPU type for --gres=gpu:TYPE:N, e.g. a100", pattern=r"^[A-Za-z0-9_.-]+$",
+        fmt="letters, digits, '_', '.', '-'"))
+    devices: Optional[str] = field(default=None, metadata=meta(
+        "local GPU indices to use, e.g. \"0,1,4,7\" (local executor and queue)", pattern=DEVICES_RE,
+        fmt="comma-separated GPU indices like 0,1,4,7"))
+
+
+@dataclass(frozen=True)
+class Slurm:
+    partition: Optional[str] = field(default=None, metadata=meta("partition (-p)", pattern=r"^[A-Za-z0-9_.,-]+$",
+                                                                 fmt="a partition name"))
+    account: Optional[str] = field(default=None, metadata=meta("account (-A)", pattern=r"^[A-Za-z0-9_.-]+$",
+                                                               fmt="an account name"))
+    qos: Optional[str] = field(default=None, metadata=meta("quality of service", pattern=r"^[A-Za-z0-9_.-]+$",
+                                                           fmt="a QOS name"))
+    constraint: Optional[str] = field(default=None, metadata=meta(
+        "node features, e.g. a100|h100", pattern=r"^[A-Za-z0-9_.|&,\[\]*:()-]+$", fmt="a feature expression"))
+    signal: str = field(default="USR2@120", metadata=meta(
+        "signal sent before the time limit or preemption kill", pattern=SIGNAL_RE, fmt="NAME@seconds, e.g. USR2@120"))
+    requeue: bool = field(default=True, metadata=meta("let SLURM requeue the job (preemption)"))
+    max_requeues: int = field(default=10, metadata=meta("most requeues after preemption/timeout", min=0))
+    max_retries: int = field(default=0, metadata=meta("requeues after a crash (0: a crash ends the job)", min=0))
+    array_parallelism: Optional[int] = field(default=None, metadata=meta(
+        "most array tasks running at once (%N)", min=1))
+    gpu_request: Literal["gres", "gpus-per-node"] = field(default="gres", metadata=meta(
+        "how GPUs are asked for: --gres=gpu[:type]:N or --gpus-per-node"))
+    setup: list[str] = field(default_factory=list, metadata=meta(
+        "shell lines run before the job starts (module load, conda activate); kept verbatim"))
+    extra: dict[str, Union[str, int, bool]] = field(default_factory=dict, metadata=meta(
+        "more sbatch options: {option: value}; true for a flag"))
+
+
+@dataclass(frozen=True)
+class DeepSpeed:
+    zero_stage: int = field(default=2, metadata=meta("ZeRO stage", min=0, max=3))
+    offload_optimizer: bool = field(default=False, metadata=meta("optimizer states in CPU memory"))
+    offload_params: bool = field(default=False, metadata=meta("parameters in CPU memory (ZeRO-3)"))
+    config: Optional[str] = field(default=None, metadata=meta("a DeepSpeed JSON file merged into the generated one"))
+
+
+@dataclass(frozen=True)
+class Nccl:
+    debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = field(default=None, metadata=meta("NCCL_DEBUG"))
+    socket_ifname: Optional[str] = field(default=None, metadata=meta(
+        "NCCL_SOCKET_IFNAME, e.g. ib0 or ^lo,docker", pattern=r"^[A-Za-z0-9_.,^=-]+$", fmt="an interface list"))
+    ib_disable: Optional[bool] = field(default=None, metadata=meta("NCCL_IB_DISABLE"))
+    timeout_s: int = field(default=600, metadata=meta("process-group timeout in seconds", min=10))
+
+
+@dataclass(frozen=True)
+class Distributed:
+    strategy: Literal["auto", "ddp", "deepspeed", "none"] = field(default="auto", metadata=meta(
+        "auto picks ddp for several ranks, none for one"))
+    deepspeed: DeepSpeed = field(default_factory=DeepSpeed, metadata=meta("DeepSpeed settings"))
+    nccl: Nccl = field(default_factory=Nccl, metadata=meta("NCCL settings exported before init"))
+
+
+@dataclass(frozen=True)
+class Model:
+    name_or_path: Optional[str] = field(default=None, metadata=meta(
+        "a local directory (from_pretrained) or a hub id found in the local cache"))
+    config: Optional[dict[str, Any]] = field(default=None, metadata=meta(
+        "a transformers config as a mapping with model_type; weights are randomly initialised"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=meta(
+        "dtype of the weights as loaded"))
+
+
+@dataclass(frozen=True)
+class Data:
+    train: Optional[str] = field(default=None, metadata=meta("a .txt file or .jsonl with a \"text\" field"))
+    eval: Optional[str] = field(default=None, metadata=meta("held-out text for the eval loss"))
+    seq_len: int = field(default=256, metadata=meta("tokens per training sequence", min=8))
+
+
+@dataclass(frozen=True)
+class Train:
+    global_batch_size: int = field(default=8, metadata=meta("sequences per optimizer step, on all GPUs", min=1))
+    micro_batch_size: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
+        "sequences per GPU per forward pass; auto: the largest that divides the global batch", min=1))
+    max_steps: int = field(default=100, metadata=meta("optimizer steps", min=1))
+    lr: float = field(default=3e-4, metadata=meta("peak learning rate", min=0))
+    min_lr_ratio: float = field(default=0.1, metadata=meta("final lr as a fraction of lr (cosine)", min=0, max=1))
+    warmup_steps: int = field(default=10, metadata=meta("linear warmup steps", min=0))
+    weight_decay: float = field(default=0.1, metadata=meta("AdamW weight decay", min=0))
+    grad_clip: float = field(default=1.0, metadata=meta("max gradient norm (0: off)", min=0))
+    seed: int = field(default=0, metadata=meta("seed of weights, data order and dropout", min=0))
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = field(default="auto", metadata=meta(
+        "auto: bf16 autocast on GPUs that support it, fp32 on CPU"))
+    compile: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta("torch.compile; auto: on GPU"))
+    log_every: int = field(default=1, metadata=meta("log every N steps", min=1))
+    eval_every: int = field(default=0, metadata=meta("eval loss every N steps (0: only at the end)", min=0))
+    eval_batches: int = field(default=4, metadata=meta("micro batches per eval", min=1))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    every_steps: Optional[int] = field(default=None, metadata=meta("save every N steps", min=1))
+    every_minutes: Optional[float] = field(default=None, metadata=meta("save every M minutes", min=0))
+    keep: int = field(default=2, metadata=meta("complete checkpoints kept (the newest is never deleted)", min=1))
+    async_: bool = field(default=False, metadata=meta("save in the background", key="async"))
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
+    task: Literal["train", "infer", "command", "callable"] = field(default="train", metadata=meta("what runs"))
+    resources: Resources = field(default_factory=Resources, metadata=meta("what the job asks for"))
+    slurm: Slurm = field(default_factory=Slurm, metadata=meta("SLURM options"))
+    distributed: Distributed = field(default_factory=Distributed, metadata=meta("process group and strategy"))
+    model: Model = field(default_factory=Model, metadata=meta("the model (task: train | infer)"))
+    data: Data = field(default_factory=Data, metadata=meta("the data (task: train)"))
+    train: Train = field(default_factory=Train, metadata=meta("the training loop (task: train)"))
+    checkpoint: Checkpoint = field(default_factory=Checkpoint, metadata=meta("checkpoints and resume"))
+    command: Optional[list[str]] = field(default=None, metadata=meta(
+        "argv of the user's program, started once per rank (task: command)"))
+    entry: Optional[str] = field(default=None, metadata=meta(
+        "pkg.module:function called with the context (task: callable)", pattern=ENTRY_RE,
+        fmt="pkg.module:function"))
+    env: dict[str, str] = field(default_factory=dict, metadata=meta("environment variables of every rank"))
+    sweep: dict[str, list[Any]] = field(default_factory=dict, metadata=meta("dotted.key: [values] grid"))
+    runs_dir: str = field(default="runs", metadata=meta("where run directories are made"))
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.nodes * self.resources.gpus
+
+
+def is_valid_env_name(name: str) -> bool:
+    return re.match(ENV_NAME_RE, name) is not None
