@@ -30,7 +30,7 @@ MUNGE_PID=/run/munge/munged.pid
 MUNGE_MARK="$DIR/run/munged.started"   # present => we started munged (holds its pid)
 WAIT_S="${HPCGPU_SLURM_WAIT:-60}"
 
-log() { echo "[cluster.sh] $*" >&2; }
+log() { echo "[cluster.sh $(date +%T)] $*" >&2; }
 
 ctld_pidfile() { echo "$DIR/run/slurmctld.pid"; }
 slurmd_pidfile() { echo "$DIR/run/slurmd-$1.pid"; }
@@ -103,9 +103,10 @@ start_munge() {  # -> sets AUTH to munge or none
         local t
         for t in $(seq 50); do munge_works && break; sleep 0.1; done
     fi
+    # remember that we started it, so that stop ends it (even if unusable)
+    pid_alive "$MUNGE_PID" >"$MUNGE_MARK" || rm -f "$MUNGE_MARK"
     if munge_works; then
         AUTH=munge
-        pid_alive "$MUNGE_PID" >"$MUNGE_MARK" || echo "" >"$MUNGE_MARK"
     else
         log "munge does not work (see $DIR/log/munged.err); using auth/none"
     fi
@@ -224,7 +225,7 @@ kill_and_wait() {  # pid... : TERM, wait up to 15 s, then KILL
 step_pids() {  # slurmstepd processes serving our nodes (their cwd is under $DIR)
     local p
     for p in /proc/[0-9]*; do
-        [[ "$(readlink "$p/exe" 2>/dev/null)" == */slurmstepd ]] || continue
+        [[ "$(readlink "$p/exe" 2>/dev/null)" == */slurmstepd* ]] || continue  # Debian: slurmstepd-wlm
         [[ "$(readlink "$p/cwd" 2>/dev/null)" == "$DIR"/* ]] && echo "${p#/proc/}"
     done
     return 0
@@ -250,7 +251,7 @@ with_descendants() {  # pid... -> those pids plus all their descendants
 }
 
 do_stop() {
-    local pids n t
+    local pids dpids n t
     # Cancel jobs first so job processes do not outlive the cluster. Jobs whose
     # processes ignore SIGTERM would take KillWait (30 s) to finish, so we only
     # wait a little and then kill what is left of the job trees below.
@@ -262,22 +263,28 @@ do_stop() {
             scancel --signal=KILL --full $jobs 2>/dev/null || true
             # shellcheck disable=SC2086
             scancel $jobs 2>/dev/null || true
-            for t in $(seq 25); do
+            for t in $(seq 10); do
                 [[ -z "$(squeue -h -t R,CG -o %A 2>/dev/null)" ]] && break
                 sleep 0.2
             done
         fi
     fi
-    # leftover slurmstepd + job processes: collect before the daemons go away
+    # leftover slurmstepd + job processes (e.g. ignoring SIGTERM during KillWait):
+    # kill them before the daemons, which otherwise wait for them.
     mapfile -t pids < <(step_pids)
     ((${#pids[@]})) && mapfile -t pids < <(with_descendants "${pids[@]}")
+    if ((${#pids[@]})); then
+        log "killing leftover job processes: ${pids[*]}"
+        kill -KILL "${pids[@]}" 2>/dev/null || true
+        sleep 0.2
+    fi
+    log "stopping slurmd"
+    # slurmds first (they may still report job completion to slurmctld)
     mapfile -t dpids < <(for n in "${NODES[@]}"; do pid_alive "$(slurmd_pidfile "$n")" || true; done)
     kill_and_wait "${dpids[@]}"
+    log "stopping slurmctld"
     mapfile -t dpids < <(pid_alive "$(ctld_pidfile)" || true)
     kill_and_wait "${dpids[@]}"
-    if ((${#pids[@]})); then
-        kill -KILL "${pids[@]}" 2>/dev/null || true
-    fi
     if [[ -f "$MUNGE_MARK" ]]; then
         mapfile -t dpids < <(pid_alive "$MUNGE_PID" || true)
         kill_and_wait "${dpids[@]}"

@@ -1,0 +1,1 @@
+"""GPUs through pynvml (nvidia-ml-py): inventory, busy detection, estimates, monitoring. No torch."""

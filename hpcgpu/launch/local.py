@@ -1,0 +1,176 @@
+"""The local executor: N ranks on this machine with the environment contract SLURM gives.
+
+Each rank gets the SLURM_* variables srun would set (plus HPCGPU_LAUNCHER=local), so the entrypoint
+runs the same code path as on the cluster. Rank 0 streams to the console; every rank logs to
+<run dir>/logs/rank-N.log. One rank failing stops the others within a few seconds.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Callable
+
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.spec import Spec
+from hpcgpu.spec.derive import signal_name
+
+STOP_GRACE_S = 5.0  # after one rank fails, the others get this long to exit before SIGKILL
+PREEMPT_GRACE_S = 120.0  # after Ctrl-C, ranks get this long to checkpoint (a second Ctrl-C kills)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_gpus(spec: Spec, environ: dict[str, str] | None = None) -> list[str]:
+    """GPU ids the local ranks may use: resources.devices, else CUDA_VISIBLE_DEVICES, else all found."""
+    env = os.environ if environ is None else environ
+    if spec.resources.devices:
+        return spec.resources.devices.split(",")
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    from hpcgpu.gpu.nvml import gpu_count
+
+    return [str(i) for i in range(gpu_count())]
+
+
+def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus: list[str],
+                 run_dir: Path, restart_count: int = 0) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "HPCGPU_LAUNCHER": "local",
+        "HPCGPU_RUN_DIR": str(run_dir),
+        "SLURM_JOB_ID": job_id,
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": str(world),
+        "SLURM_NTASKS_PER_NODE": str(world),
+        "SLURM_TASKS_PER_NODE": str(world),
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_CPUS_PER_TASK": str(spec.resources.cpus_per_gpu),
+        "SLURM_RESTART_COUNT": str(restart_count),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+    })
+    for key in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+                "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)  # a local run inside an allocation must not look like its parent job
+    if gpus:
+        chosen = ",".join(gpus[:world])
+        env.update({"CUDA_VISIBLE_DEVICES": chosen, "SLURM_JOB_GPUS": chosen, "SLURM_GPUS_ON_NODE": str(world)})
+    env.update(spec.env)
+    return env
+
+
+@dataclass
+class Rank:
+    index: int
+    proc: subprocess.Popen
+    log: IO[str]
+
+
+def _pump(src: IO[str], sinks: list[IO[str]]) -> None:
+    for line in iter(src.readline, ""):
+        for sink in sinks:
+            sink.write(line)
+            sink.flush()
+
+
+def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[str] | None,
+                restart_count: int = 0) -> list[Rank]:
+    if spec.resources.nodes > 1:
+        raise HpcgpuError("the local executor runs on one node: use --nodes 1 (or submit to SLURM)")
+    world = spec.resources.gpus
+    gpus = local_gpus(spec)
+    if gpus and len(gpus) < world:
+        raise HpcgpuError(f"--gpus {world}: only {len(gpus)} GPU(s) here ({','.join(gpus)}); ask for fewer")
+    port = free_port()
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ranks: list[Rank] = []
+    for i in range(world):
+        log = open(logs / f"rank-{i}.log", "a", buffering=1)
+        pipe = i == 0 and echo is not None
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hpcgpu", "run", str(spec_path)],
+            env=rank_environ(spec, i, world, job_id, port, gpus, run_dir, restart_count),
+            stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # Ctrl-C reaches the executor only; it decides what ranks get
+        )
+        if pipe:
+            threading.Thread(target=_pump, args=(proc.stdout, [log, echo]), daemon=True).start()
+        ranks.append(Rank(i, proc, log))
+    return ranks
+
+
+def _signal_all(ranks: list[Rank], signum: int) -> None:
+    for r in ranks:
+        if r.proc.poll() is None:
+            try:
+                os.killpg(r.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int:
+    """Wait for all ranks; a failing rank stops the rest; Ctrl-C asks all to checkpoint and stop."""
+    preempt_sig = getattr(signal, f"SIG{signal_name(spec)}", signal.SIGTERM)
+    interrupted: list[float] = []
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        if interrupted:
+            say("second interrupt: killing all ranks")
+            _signal_all(ranks, signal.SIGKILL)
+        else:
+            say("interrupt: asking all ranks to checkpoint and stop (again to kill)")
+            _signal_all(ranks, preempt_sig)
+        interrupted.append(time.monotonic())
+
+    previous = {s: signal.signal(s, on_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    first_failure: tuple[int, int] | None = None
+    deadline: float | None = None
+    try:
+        while any(r.proc.poll() is None for r in ranks):
+            for r in ranks:
+                code = r.proc.poll()
+                if code not in (None, 0) and first_failure is None:
+                    first_failure = (r.index, code)
+                    say(f"rank {r.index} exited with code {code}; stopping the other ranks")
+                    _signal_all(ranks, signal.SIGTERM)
+                    deadline = time.monotonic() + STOP_GRACE_S
+            if interrupted and deadline is None:
+                deadline = interrupted[0] + PREEMPT_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                _signal_all(ranks, signal.SIGKILL)
+            time.sleep(0.1)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for r in ranks:
+            r.proc.wait()
+            r.log.close()
+    if first_failure is not None:
+        return _shell_code(first_failure[1])
+    return next((_shell_code(r.proc.returncode) for r in ranks if r.proc.returncode), 0)
+
+
+def _shell_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def run_local(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[str] | None = None,
+              say: Callable[[str], None] = lambda m: print(f"hpcgpu: {m}", file=sys.stderr)) -> int:
+    ranks = start_ranks(spec, spec_path, run_dir, job_id, echo if echo is not None else sys.stdout)
+    return wait_ranks(ranks, spec, say)

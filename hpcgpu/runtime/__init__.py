@@ -1,0 +1,1 @@
+"""Inside the job: environment detection, process group, strategies, checkpoints, tasks."""

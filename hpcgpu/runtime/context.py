@@ -1,0 +1,101 @@
+"""The context every task gets: rank, device, spec, run dir, and an agreed stop flag.
+
+`hpcgpu.init()` returns it; the built-in tasks use the same API as the user's own code.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcgpu.runtime import dist as _dist
+from hpcgpu.runtime.env import DistEnv
+from hpcgpu.runtime.preempt import StopFlag, stop_signals
+from hpcgpu.spec import Spec, load_spec
+
+log = logging.getLogger("hpcgpu")
+
+
+@dataclass
+class Context:
+    env: DistEnv
+    spec: Spec | None
+    run_dir: Path
+    device: torch.device
+    checkpoint: Any = None  # a checkpoint manager, set by tasks that checkpoint
+    stop_flag: StopFlag = field(default_factory=StopFlag)
+    _closed: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got the preemption signal (collective: call on all ranks)."""
+        return _dist.all_reduce_max(self.stop_flag.is_set, self.device)
+
+    def barrier(self) -> None:
+        _dist.barrier()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.stop_flag.restore()
+            _dist.destroy_process_group()
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def setup_logging(env: DistEnv) -> None:
+    level = logging.INFO if env.is_main else logging.WARNING
+    logger = logging.getLogger("hpcgpu")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+
+
+def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, Path | None]:
+    if isinstance(spec, Spec):
+        return spec, None
+    path = spec if spec is not None else os.environ.get("HPCGPU_SPEC")
+    if not path:
+        return None, None
+    return load_spec(path), Path(path).resolve()
+
+
+def init(spec: Spec | str | os.PathLike | None = None) -> Context:
+    """Detect the environment, bind the device, start the process group, install the stop flag."""
+    spec_obj, spec_path = _resolve_spec(spec)
+    env = DistEnv.from_environ()
+    setup_logging(env)
+    device = _dist.select_device(env)
+    _dist.init_process_group(env, spec_obj, device)
+    run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or (spec_path.parent if spec_path else Path.cwd()))
+    ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
+    ctx.stop_flag.install(stop_signals(spec_obj))
+    return ctx

@@ -1,0 +1,69 @@
+"""Process group set-up: rendezvous variables, NCCL settings, device binding, clean teardown."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcgpu.runtime.env import DistEnv
+from hpcgpu.spec import Spec
+from hpcgpu.spec.derive import nccl_env
+
+log = logging.getLogger("hpcgpu")
+
+
+def export_rendezvous(env: DistEnv, spec: Spec | None) -> None:
+    """Export what `init_process_group(init_method='env://')` and NCCL read, before init."""
+    if spec is not None:
+        for key, value in nccl_env(spec).items():
+            os.environ.setdefault(key, value)
+    os.environ.update({k: v for k, v in env.torchrun_vars().items()})
+
+
+def select_device(env: DistEnv) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = env.device_index(torch.cuda.device_count())
+    if index is None:
+        return torch.device("cpu")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device) -> None:
+    """Start the process group (nccl on GPU, gloo on CPU) unless the job has one rank."""
+    export_rendezvous(env, spec)
+    if not env.distributed or dist.is_initialized():
+        return
+    timeout_s = int(os.environ.get("HPCGPU_PG_TIMEOUT_S", spec.distributed.nccl.timeout_s if spec else 600))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device  # binds NCCL to our GPU up front: no guessing, no extra context
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    log.debug("process group %s: rank %d/%d via %s:%s", backend, env.rank, env.world_size,
+              env.master_addr, env.master_port)
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_max(flag: bool, device: torch.device) -> bool:
+    """True if any rank says True (a step-boundary agreement)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,213 @@
+"""Where a rank runs: one DistEnv from SLURM, torchrun, the local executor or a plain process.
+
+No torch here: the environment is checked before any process group starts, so an inconsistent
+allocation is one clear error instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from hpcgpu.errors import EnvironmentError_
+from hpcgpu.hostlist import expand_hostlist, port_for_job
+
+LAUNCHERS = ("slurm", "local", "torchrun", "single")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "single"
+    job_id: str | None = None
+    restart_count: int = 0
+    array_job_id: str | None = None
+    array_task_id: str | None = None
+    hosts: tuple[str, ...] = field(default_factory=tuple)
+    visible_devices: tuple[str, ...] | None = None  # CUDA_VISIBLE_DEVICES as given, None if unset
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def requeue_target(self) -> str | None:
+        """The id `scontrol requeue` takes: `<array job>_<task>` for array tasks."""
+        if self.array_job_id and self.array_task_id:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+    def torchrun_vars(self) -> dict[str, str]:
+        """The variables a torchrun-style program reads."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+    def device_index(self, gpu_count: int) -> int | None:
+        """The GPU this rank uses among the `gpu_count` it can see, or None for CPU.
+
+        SLURM may give each task only its own GPU (one visible) or all of the node's; either way the
+        N-th local rank takes the N-th visible GPU.
+        """
+        if gpu_count <= 0:
+            return None
+        if gpu_count == 1:
+            return 0
+        if self.local_rank >= gpu_count:
+            raise EnvironmentError_(
+                f"local rank {self.local_rank} has no GPU: {self.local_world_size} tasks on this node "
+                f"but {gpu_count} GPUs visible (CUDA_VISIBLE_DEVICES={','.join(self.visible_devices or ())}); "
+                "ask for one task per GPU")
+        return self.local_rank
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+        env = os.environ if environ is None else environ
+        launcher = env.get("HPCGPU_LAUNCHER", "")
+        if launcher and launcher not in LAUNCHERS:
+            raise EnvironmentError_(f"HPCGPU_LAUNCHER={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+        if launcher == "single":
+            out = cls(launcher="single", master_port=_port(env, None), visible_devices=_visible(env))
+        elif launcher in ("slurm", "local") or (not launcher and _in_slurm_step(env) and "RANK" not in env):
+            out = _from_slurm(env, launcher or "slurm")
+        elif launcher == "torchrun" or "RANK" in env and "WORLD_SIZE" in env:
+            out = _from_torchrun(env)
+        else:
+            out = cls(launcher="single", master_port=_port(env, None), visible_devices=_visible(env),
+                      master_addr=env.get("MASTER_ADDR", "127.0.0.1"))
+        out.check()
+        return out
+
+    def check(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise EnvironmentError_(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise EnvironmentError_(
+                f"local rank {self.local_rank} is outside the {self.local_world_size} tasks of this node")
+        if self.local_world_size > self.world_size:
+            raise EnvironmentError_(
+                f"{self.local_world_size} tasks on this node but only {self.world_size} in the job")
+        if not 1 <= self.master_port <= 65535:
+            raise EnvironmentError_(f"MASTER_PORT={self.master_port} is not a port (1-65535)")
+        if self.visible_devices and self.local_world_size > len(self.visible_devices) > 1:
+            raise EnvironmentError_(
+                f"{self.local_world_size} tasks on this node but only {len(self.visible_devices)} GPUs visible "
+                f"(CUDA_VISIBLE_DEVICES={','.join(self.visible_devices)}); ask for one task per GPU")
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    # SLURM_STEP_ID is set under srun; the batch script alone has SLURM_PROCID=0 of a bigger job
+    return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise EnvironmentError_(f"{name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise EnvironmentError_(f"{name}={value!r} is not a number") from None
+
+
+def _visible(env: Mapping[str, str]) -> tuple[str, ...] | None:
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return tuple(v for v in (s.strip() for s in value.split(",")) if v)
+
+
+def _port(env: Mapping[str, str], job_id: str | None) -> int:
+    if env.get("MASTER_PORT"):
+        return _int(env, "MASTER_PORT")
+    return port_for_job(job_id) if job_id else 29500
+
+
+def tasks_per_node(expr: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE / SLURM_NTASKS_PER_NODE: `2(x3),1` -> [2, 2, 2, 1]."""
+    out: list[int] = []
+    for part in expr.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise EnvironmentError_(f"cannot read tasks per node {expr!r}")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
+    world = _int(env, "SLURM_NTASKS", _int(env, "SLURM_NPROCS", 1))
+    nnodes = _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
+    node_rank = _int(env, "SLURM_NODEID", 0)
+    per_node_expr = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") \
+        or env.get("SLURM_NTASKS_PER_NODE") or str(world // max(nnodes, 1))
+    per_node = tasks_per_node(per_node_expr)
+    if len(per_node) == 1 and nnodes > 1:
+        per_node = per_node * nnodes
+    if sum(per_node) != world:
+        raise EnvironmentError_(
+            f"tasks do not add up: SLURM_NTASKS={world} but tasks per node {per_node_expr!r} "
+            f"over {nnodes} node(s) make {sum(per_node)}")
+    if node_rank >= len(per_node):
+        raise EnvironmentError_(f"SLURM_NODEID={node_rank} but the job has {len(per_node)} node(s)")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    try:
+        hosts = tuple(expand_hostlist(nodelist)) if nodelist else ()
+    except ValueError as exc:
+        raise EnvironmentError_(f"SLURM_JOB_NODELIST: {exc}") from None
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    return DistEnv(
+        rank=_int(env, "SLURM_PROCID"),
+        local_rank=_int(env, "SLURM_LOCALID", 0),
+        world_size=world,
+        local_world_size=per_node[node_rank],
+        node_rank=node_rank,
+        num_nodes=len(per_node),
+        master_addr=env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
+        master_port=_port(env, job_id),
+        launcher=launcher,
+        job_id=job_id,
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
+        array_job_id=env.get("SLURM_ARRAY_JOB_ID") or None,
+        array_task_id=env.get("SLURM_ARRAY_TASK_ID") or None,
+        hosts=hosts,
+        visible_devices=_visible(env),
+    )
+
+
+def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
+    world = _int(env, "WORLD_SIZE")
+    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+    return DistEnv(
+        rank=_int(env, "RANK"),
+        local_rank=_int(env, "LOCAL_RANK", 0),
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=_int(env, "GROUP_RANK", 0),
+        num_nodes=max(1, world // max(local_world, 1)),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=_port(env, None),
+        launcher="torchrun",
+        job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", _int(env, "SLURM_RESTART_COUNT", 0)),
+        visible_devices=_visible(env),
+    )

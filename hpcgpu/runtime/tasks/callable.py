@@ -1,0 +1,28 @@
+"""`task: callable`: `entry: pkg.module:function`, called in-process with the context."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.runtime.context import init
+from hpcgpu.spec import Spec
+
+
+def load_entry(entry: str):  # type: ignore[no-untyped-def]
+    module_name, _, attr = entry.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise HpcgpuError(f"entry: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise HpcgpuError(f"entry: {module_name} has no function {attr!r}")
+    return fn
+
+
+def run_callable(spec: Spec, spec_path: Path) -> int:
+    fn = load_entry(spec.entry or "")
+    with init(spec) as ctx:
+        result = fn(ctx)
+    return result if isinstance(result, int) else 0

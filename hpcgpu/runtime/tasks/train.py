@@ -1,0 +1,388 @@
+"""`task: train`: a Hugging Face causal LM, DDP on GPUs or CPU ranks, logged like nanoGPT.
+
+The global batch (sequences per optimizer step) is fixed by the spec; micro batch x accumulation x
+world size always equals it, so a 1-rank and a 2-rank run follow the same loss curve.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.runtime.context import Context, init
+from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
+from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.spec import Spec
+
+log = logging.getLogger("hpcgpu")
+
+
+# ---------------------------------------------------------------- settings resolved for this job
+
+def resolve_micro_batch(spec: Spec, world: int) -> int:
+    per_rank = spec.train.global_batch_size // world
+    mb = spec.train.micro_batch_size
+    if mb != "auto":
+        return int(mb)
+    # without a GPU estimate: the largest divisor of the per-rank batch up to 8 (issue: gpu auto-tuning)
+    return max(d for d in range(1, min(per_rank, 8) + 1) if per_rank % d == 0)
+
+
+def resolve_precision(spec: Spec, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32."""
+    p = spec.train.precision
+    if p == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    if p in ("bf16", "fp16") and device.type == "cpu":
+        return torch.bfloat16 if p == "bf16" else None  # fp16 autocast on CPU is not useful
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[p]
+
+
+def resolve_compile(spec: Spec, device: torch.device) -> bool:
+    c = spec.train.compile
+    return device.type == "cuda" if c == "auto" else bool(c)
+
+
+def resolve_strategy(spec: Spec, world: int) -> str:
+    s = spec.distributed.strategy
+    if s == "auto":
+        return "ddp" if world > 1 else "none"
+    if s == "deepspeed":
+        raise HpcgpuError("distributed.strategy: deepspeed is not in this version yet; use ddp")
+    if s == "none" and world > 1:
+        raise HpcgpuError(f"distributed.strategy: none cannot run {world} ranks; use ddp")
+    return s
+
+
+# ---------------------------------------------------------------- model
+
+def build_model(spec: Spec, seed: int) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        spec.model.dtype]
+    torch.manual_seed(seed)  # identical initial weights on every rank and every restart
+    if spec.model.name_or_path:
+        try:
+            return AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, dtype=dtype or torch.float32)
+        except OSError as exc:
+            raise HpcgpuError(f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {exc}") from None
+    cfg = dict(spec.model.config or {})
+    model_type = cfg.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, TypeError) as exc:
+        raise HpcgpuError(f"model.config: {exc}") from None
+    model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype) if dtype else model
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6N plus attention (PaLM appendix B, as nanoGPT counts it)."""
+    cfg = getattr(model, "config", None)
+    n = sum(p.numel() for p in model.parameters())
+    layers = getattr(cfg, "num_hidden_layers", 0) or 0
+    heads = getattr(cfg, "num_attention_heads", 0) or 0
+    hidden = getattr(cfg, "hidden_size", 0) or 0
+    head_dim = hidden // heads if heads else 0
+    return 6 * n + 12 * layers * heads * head_dim * seq_len
+
+
+def lr_lambda(spec: Spec):  # type: ignore[no-untyped-def]
+    t = spec.train
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(1, t.max_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": spec.train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=fused)
+
+
+# ---------------------------------------------------------------- RNG state (fixed keys)
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# ---------------------------------------------------------------- the trainer
+
+class Trainer:
+    """Owns model, optimizer, scheduler, data position, step and RNG; Stateful for checkpoints."""
+
+    def __init__(self, ctx: Context, spec: Spec):
+        self.ctx, self.spec = ctx, spec
+        t = spec.train
+        self.world = ctx.world_size
+        self.device = ctx.device
+        self.strategy = resolve_strategy(spec, self.world)
+        self.micro = resolve_micro_batch(spec, self.world)
+        self.accum = t.global_batch_size // self.world // self.micro
+        self.amp_dtype = resolve_precision(spec, self.device)
+        self.tokenizer = load_tokenizer(spec.model.name_or_path)
+        self.train_blocks = load_blocks(spec.data.train or "", self.tokenizer, spec.data.seq_len)
+        self.eval_blocks = load_blocks(spec.data.eval, self.tokenizer, spec.data.seq_len) if spec.data.eval else None
+        self.schedule = BatchSchedule(len(self.train_blocks), t.global_batch_size, t.seed, ctx.rank,
+                                      self.world, self.micro)
+        self.raw_model = build_model(spec, t.seed).to(self.device)
+        self._check_vocab()
+        self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len)
+        self.model: torch.nn.Module = self.raw_model
+        if resolve_compile(spec, self.device):
+            self.model = torch.compile(self.model)
+        if self.strategy == "ddp":
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DDP(self.model, device_ids=ids)
+        self.optimizer = build_optimizer(self.raw_model, spec, self.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16)
+        self.step = 0
+        self.tokens_seen = 0
+        torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs by rank, reproducibly
+        random.seed(t.seed + ctx.rank)
+        np.random.seed((t.seed + ctx.rank) % 2**32)
+
+    def _check_vocab(self) -> None:
+        vocab = getattr(self.raw_model.config, "vocab_size", None)
+        top = int(self.train_blocks.max())
+        if vocab is not None and top >= vocab:
+            raise HpcgpuError(f"model vocab_size {vocab} is too small for the tokenizer (token id {top}); "
+                              "use vocab_size >= 256 for the byte-level tokenizer")
+
+    # -- Stateful
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.schedule.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.schedule.load_state_dict(state["data"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+
+    # -- one optimizer step
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
+        batch = self.train_blocks[idx].to(self.device, non_blocking=True)
+        with self._autocast():
+            return self.model(input_ids=batch, labels=batch).loss
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
+        self.model.train()
+        micro_batches = self.schedule.next_micro_batches()
+        total = torch.zeros((), device=self.device)
+        for i, idx in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or self.strategy != "ddp" else self.model.no_sync()
+            with sync:
+                loss = self._micro_loss(idx) / len(micro_batches)
+                self.scaler.scale(loss).backward()
+            total += loss.detach()
+        if self.spec.train.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.spec.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.tokens_seen += self.spec.train.global_batch_size * self.spec.data.seq_len
+        return total
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.eval_blocks is None:
+            return None
+        self.model.eval()
+        losses = []
+        for batch in eval_batches(self.eval_blocks, self.micro, self.spec.train.eval_batches,
+                                  self.ctx.rank, self.world):
+            batch = batch.to(self.device)
+            with self._autocast():
+                losses.append(self.raw_model(input_ids=batch, labels=batch).loss.float())
+        if not losses:
+            return None
+        return mean_over_ranks(torch.stack(losses).mean())
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    v = value.detach().float().clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(v, op=dist.ReduceOp.SUM)
+        v /= dist.get_world_size()
+    return float(v.item())
+
+
+# ---------------------------------------------------------------- the loop
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        return dt
+
+
+def peak_flops_here(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    from hpcgpu.gpu.peak import peak_flops
+
+    return peak_flops(torch.cuda.get_device_name(device))
+
+
+def progress(total: int, initial: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+
+
+def describe(tr: Trainer) -> str:
+    n = sum(p.numel() for p in tr.raw_model.parameters())
+    amp = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[tr.amp_dtype]
+    return (f"model {n / 1e6:.2f}M params on {tr.device} x {tr.world} ({tr.strategy}); global batch "
+            f"{tr.spec.train.global_batch_size} = micro {tr.micro} x accum {tr.accum} x {tr.world} ranks; "
+            f"seq_len {tr.spec.data.seq_len}; {amp}; {len(tr.train_blocks)} train sequences")
+
+
+def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
+    """Run until max_steps or an agreed stop; returns 'finished' or 'stopped'."""
+    spec = tr.spec
+    t = spec.train
+    peak = peak_flops_here(tr.device)
+    tokens_per_step = t.global_batch_size * spec.data.seq_len
+    bar = progress(t.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
+    timer = StepTimer()
+    while tr.step < t.max_steps:
+        if ctx.should_stop():
+            return "stopped"
+        loss_t = tr.train_step()
+        last = tr.step == t.max_steps
+        if tr.step % t.log_every == 0 or tr.step == 1 or last:
+            loss = mean_over_ranks(loss_t)
+            dt = timer.lap()  # the .item() above synchronised the device: dt is real step time
+            steps = 1 if tr.step == 1 else min(t.log_every, tr.step - getattr(tr, "_last_log", 0))
+            tr._last_log = tr.step  # type: ignore[attr-defined]
+            ms = dt * 1000 / max(steps, 1)
+            tok_s = tokens_per_step * steps / dt if dt > 0 else 0.0
+            mfu = tok_s * tr.flops_per_token / (peak * tr.world) if peak else None
+            lr = tr.scheduler.get_last_lr()[0]
+            record = {"step": tr.step, "loss": loss, "lr": lr, "ms_per_step": ms, "tokens_per_s": tok_s,
+                      "tokens": tr.tokens_seen, "mfu": mfu}
+            metrics.write("train", **record)
+            msg = (f"step {tr.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {ms:8.1f} ms/step | "
+                   f"{tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
+            if bar is not None:
+                bar.write(msg)
+            else:
+                log.info(msg)
+        if bar is not None:
+            bar.update(1)
+        if t.eval_every and tr.step % t.eval_every == 0 and not last:
+            _log_eval(tr, metrics)
+            timer.lap()  # eval time is not step time
+    if bar is not None:
+        bar.close()
+    _log_eval(tr, metrics)
+    return "finished"
+
+
+def _log_eval(tr: Trainer, metrics: MetricsWriter) -> None:
+    loss = tr.evaluate()
+    if loss is not None:
+        metrics.write("eval", step=tr.step, loss=loss, tokens=tr.tokens_seen)
+        log.info(f"step {tr.step:>6} | eval loss {loss:.4f}")
+
+
+def save_final_model(ctx: Context, tr: Trainer) -> Path:
+    out = ctx.run_dir / "model"
+    if ctx.is_main:
+        tmp = ctx.run_dir / "model.tmp"
+        tr.raw_model.save_pretrained(tmp, safe_serialization=True)
+        if hasattr(tr.tokenizer, "save_pretrained"):
+            tr.tokenizer.save_pretrained(tmp)
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        log.info(f"saved the final model to {out}")
+    ctx.barrier()
+    return out
+
+
+def quiet_libraries(ctx: Context) -> None:
+    from transformers.utils import logging as hf_logging
+
+    if not ctx.is_main:
+        hf_logging.set_verbosity_error()  # one copy of library warnings, from rank 0
+    hf_logging.disable_progress_bar()
+
+
+def set_cpu_threads() -> None:
+    # srun and the local executor give each rank SLURM_CPUS_PER_TASK cores; torch would take them all
+    if "OMP_NUM_THREADS" not in os.environ and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
+
+
+def run_train(spec: Spec, spec_path: Path) -> int:
+    set_cpu_threads()
+    with init(spec) as ctx:
+        quiet_libraries(ctx)
+        tr = Trainer(ctx, spec)
+        log.info(describe(tr))
+        metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        try:
+            outcome = train_loop(ctx, tr, metrics)
+            if outcome == "finished":
+                save_final_model(ctx, tr)
+        finally:
+            metrics.close()
+    return 0
