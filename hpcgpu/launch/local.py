@@ -63,6 +63,7 @@ def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "PYTHONUNBUFFERED": "1",
+        "HPCGPU_JOB_START": str(int(time.time())),
     })
     for key in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):

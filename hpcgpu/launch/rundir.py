@@ -28,3 +28,19 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     if mode is not None:
         tmp.chmod(mode)
     os.replace(tmp, path)
+
+
+def find_unfinished_run(spec: Spec) -> Path | None:
+    """The newest run dir of this spec's name whose resolved spec is identical and that has not
+    finished: running the same spec again resumes it (local executor)."""
+    base = Path(spec.runs_dir).expanduser() / spec.name
+    if not base.is_dir():
+        return None
+    text = dump_spec(spec)
+    for run_dir in sorted((p for p in base.iterdir() if p.is_dir()), reverse=True):
+        spec_file = run_dir / "spec.yaml"
+        if (run_dir / "FINISHED").exists() or not spec_file.exists():
+            continue
+        if spec_file.read_text() == text:
+            return run_dir.resolve()
+    return None

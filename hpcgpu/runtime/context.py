@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from hpcgpu.runtime import dist as _dist
+from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
-from hpcgpu.spec import Spec, load_spec
+from hpcgpu.spec import Spec, dump_spec, load_spec
 
 log = logging.getLogger("hpcgpu")
 
@@ -58,6 +59,7 @@ class Context:
         if not self._closed:
             self._closed = True
             self.stop_flag.restore()
+            reset_cpu_group()
             _dist.destroy_process_group()
 
     def __enter__(self) -> "Context":
@@ -97,5 +99,14 @@ def init(spec: Spec | str | os.PathLike | None = None) -> Context:
     _dist.init_process_group(env, spec_obj, device)
     run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or (spec_path.parent if spec_path else Path.cwd()))
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
+    if spec_obj is not None:
+        ctx.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
     ctx.stop_flag.install(stop_signals(spec_obj))
     return ctx
+
+
+def make_checkpoint_manager(spec: Spec, run_dir: Path, env: DistEnv) -> CheckpointManager:
+    c = spec.checkpoint
+    policy = CheckpointPolicy(every_steps=c.every_steps, every_minutes=c.every_minutes, keep=c.keep,
+                              async_save=c.async_)
+    return CheckpointManager(run_dir / "checkpoints", policy, env.rank, env.world_size, dump_spec(spec))

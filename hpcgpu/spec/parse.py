@@ -134,6 +134,7 @@ def _parse_scalar(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> 
         if isinstance(value, bool) or not isinstance(value, int):
             raise lines.error(path, f"must be an integer, got {_kind(value)}")
     elif tp is float:
+        value = float(value) if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value) else value  # YAML 1.1 reads 1e-4 as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise lines.error(path, f"must be a number, got {_kind(value)}")
         value = float(value)

@@ -166,7 +166,7 @@ class Spec:
         fmt="pkg.module:function"))
     env: dict[str, str] = field(default_factory=dict, metadata=meta("environment variables of every rank"))
     sweep: dict[str, list[Any]] = field(default_factory=dict, metadata=meta("dotted.key: [values] grid"))
-    runs_dir: str = field(default="runs", metadata=meta("where run directories are made"))
+    runs_dir: str = field(default="runs", metadata=meta("where run directories are made", pattern=r"^[^\x00-\x1f]*$", fmt="a path on one line"))
 
     @property
     def world_size(self) -> int:

@@ -40,6 +40,8 @@ pid_alive() {  # pidfile -> prints pid and succeeds if that process is alive
     [[ -s "$f" ]] || return 1
     pid="$(tr -dc '0-9' <"$f")"
     [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 1
+    # a killed daemon may linger as a zombie until init reaps it
+    [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]] || return 1
     echo "$pid"
 }
 

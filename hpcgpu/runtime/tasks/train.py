@@ -174,6 +174,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16)
         self.step = 0
+        self.start_step = 0
         self.tokens_seen = 0
         torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs by rank, reproducibly
         random.seed(t.seed + ctx.rank)
@@ -256,16 +257,104 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return float(v.item())
 
 
+# ---------------------------------------------------------------- checkpoints
+
+def checkpoint_tensors(tr: Trainer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(tr.raw_model, tr.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_checkpoint(ctx: Context, tr: Trainer, blocking: bool | None = None) -> None:
+    rank_state = {"trainer": tr.state_dict(), "rng": rng_state(tr.device)}
+    ctx.checkpoint.save(tr.step, checkpoint_tensors(tr), rank_state,
+                        {"tokens": tr.tokens_seen, "restart_count": ctx.env.restart_count}, blocking=blocking)
+
+
+def resume(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> bool:
+    """Load the newest complete checkpoint, if any. Collective."""
+    from hpcgpu.runtime.checkpoint import complete_checkpoints
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if not complete_checkpoints(ctx.checkpoint.root):
+        return False
+    tensors = checkpoint_tensors(tr)
+    loaded = ctx.checkpoint.load_latest(tensors)
+    if loaded is None:
+        tr.optimizer.state.clear()  # get_state_dict primed it with a zero-lr step; start clean
+        return False
+    path, rank_state = loaded
+    set_state_dict(tr.raw_model, tr.optimizer, model_state_dict=tensors["model"],
+                   optim_state_dict=tensors["optim"])
+    tr.load_state_dict(rank_state["trainer"])
+    if rank_state.get("rng") and Path(path, f"rank-{ctx.rank}.pt").exists():
+        set_rng_state(rank_state["rng"], tr.device)
+    ctx.checkpoint.last_saved_step = tr.step
+    metrics.write("resume", step=tr.step, checkpoint=path.name, restart_count=ctx.env.restart_count)
+    log.info(f"resuming at step {tr.step} ({tr.tokens_seen:,} tokens seen) from {path.name}")
+    return True
+
+
+def inject_signal(ctx: Context, tr: Trainer) -> None:
+    """Fault injection for tests and drills: HPCGPU_SIGNAL_AT="STEP[:RANK]" makes that rank send itself
+    the spec's preemption signal when it reaches STEP, exactly as `scancel --signal` would."""
+    spec_at = os.environ.get("HPCGPU_SIGNAL_AT")
+    if not spec_at or ctx.spec is None:
+        return
+    at, _, rank = spec_at.partition(":")
+    # never at the step a run resumed from: the resumed run must go on, not stop again
+    if tr.step == int(at) and tr.step != tr.start_step and (not rank or int(rank) == ctx.rank):
+        import signal as _signal
+
+        from hpcgpu.spec.derive import signal_name
+
+        os.kill(os.getpid(), getattr(_signal, f"SIG{signal_name(ctx.spec)}"))
+
+
+def agree(ctx: Context, *flags: bool) -> list[bool]:
+    """One small all-reduce (max) per step: every rank sees the same stop/save decisions."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=ctx.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v > 0) for v in t.tolist()]
+
+
 # ---------------------------------------------------------------- the loop
 
-class StepTimer:
-    def __init__(self) -> None:
-        self.last = time.perf_counter()
+class StepLog:
+    """Turns step timings into loss, ms/step, tokens/s and MFU lines (console + metrics.jsonl)."""
 
-    def lap(self) -> float:
+    def __init__(self, tr: Trainer, metrics: MetricsWriter, bar: Any):
+        self.tr, self.metrics, self.bar = tr, metrics, bar
+        self.peak = peak_flops_here(tr.device)
+        self.tokens_per_step = tr.spec.train.global_batch_size * tr.spec.data.seq_len
+        self.last_step = tr.step
+        self.last_time = time.perf_counter()
+
+    def reset_clock(self) -> None:
+        """Time spent outside steps (eval, checkpoints) is not step time."""
+        self.last_time = time.perf_counter()
+
+    def log(self, loss_t: torch.Tensor) -> None:
+        tr = self.tr
+        loss = mean_over_ranks(loss_t)  # .item() synchronised the device: the clock below is real
         now = time.perf_counter()
-        dt, self.last = now - self.last, now
-        return dt
+        steps = max(1, tr.step - self.last_step)
+        dt = now - self.last_time
+        self.last_step, self.last_time = tr.step, now
+        ms = dt * 1000 / steps
+        tok_s = self.tokens_per_step * steps / dt if dt > 0 else 0.0
+        mfu = tok_s * tr.flops_per_token / (self.peak * tr.world) if self.peak else None
+        lr = tr.scheduler.get_last_lr()[0]
+        self.metrics.write("train", step=tr.step, loss=loss, lr=lr, ms_per_step=ms, tokens_per_s=tok_s,
+                           tokens=tr.tokens_seen, mfu=mfu)
+        msg = (f"step {tr.step:>6}/{tr.spec.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+               f"{ms:8.1f} ms/step | {tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            log.info(msg)
 
 
 def peak_flops_here(device: torch.device) -> float | None:
@@ -294,42 +383,39 @@ def describe(tr: Trainer) -> str:
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
     """Run until max_steps or an agreed stop; returns 'finished' or 'stopped'."""
-    spec = tr.spec
-    t = spec.train
-    peak = peak_flops_here(tr.device)
-    tokens_per_step = t.global_batch_size * spec.data.seq_len
+    t = tr.spec.train
+    ckpt = ctx.checkpoint
     bar = progress(t.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
-    timer = StepTimer()
-    while tr.step < t.max_steps:
-        if ctx.should_stop():
-            return "stopped"
-        loss_t = tr.train_step()
-        last = tr.step == t.max_steps
-        if tr.step % t.log_every == 0 or tr.step == 1 or last:
-            loss = mean_over_ranks(loss_t)
-            dt = timer.lap()  # the .item() above synchronised the device: dt is real step time
-            steps = 1 if tr.step == 1 else min(t.log_every, tr.step - getattr(tr, "_last_log", 0))
-            tr._last_log = tr.step  # type: ignore[attr-defined]
-            ms = dt * 1000 / max(steps, 1)
-            tok_s = tokens_per_step * steps / dt if dt > 0 else 0.0
-            mfu = tok_s * tr.flops_per_token / (peak * tr.world) if peak else None
-            lr = tr.scheduler.get_last_lr()[0]
-            record = {"step": tr.step, "loss": loss, "lr": lr, "ms_per_step": ms, "tokens_per_s": tok_s,
-                      "tokens": tr.tokens_seen, "mfu": mfu}
-            metrics.write("train", **record)
-            msg = (f"step {tr.step:>6}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | {ms:8.1f} ms/step | "
-                   f"{tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
+    steplog = StepLog(tr, metrics, bar)
+    try:
+        while tr.step < t.max_steps:
+            inject_signal(ctx, tr)
+            stop, time_due, async_busy = agree(ctx, ctx.stop_flag.is_set, ckpt.due_by_time(),
+                                               not ckpt.pending_done())
+            if ckpt.pending and not async_busy:
+                ckpt.finish_pending()  # every rank's async write ended: mark it complete now
+            if stop:
+                save_checkpoint(ctx, tr, blocking=True)
+                return "stopped"
+            if time_due:
+                save_checkpoint(ctx, tr)
+                steplog.reset_clock()
+            loss_t = tr.train_step()
+            last = tr.step == t.max_steps
+            if tr.step % t.log_every == 0 or tr.step == 1 or last:
+                steplog.log(loss_t)
             if bar is not None:
-                bar.write(msg)
-            else:
-                log.info(msg)
+                bar.update(1)
+            if t.eval_every and tr.step % t.eval_every == 0 and not last:
+                _log_eval(tr, metrics)
+                steplog.reset_clock()
+            if ckpt.due_by_steps(tr.step) and not last:
+                save_checkpoint(ctx, tr)
+                steplog.reset_clock()
+    finally:
         if bar is not None:
-            bar.update(1)
-        if t.eval_every and tr.step % t.eval_every == 0 and not last:
-            _log_eval(tr, metrics)
-            timer.lap()  # eval time is not step time
-    if bar is not None:
-        bar.close()
+            bar.close()
+    ckpt.finish_pending()
     _log_eval(tr, metrics)
     return "finished"
 
@@ -373,16 +459,35 @@ def set_cpu_threads() -> None:
 
 
 def run_train(spec: Spec, spec_path: Path) -> int:
+    from hpcgpu.runtime.requeue import (EXIT_STOPPED, is_finished, mark_finished, requeue,
+                                        requeue_after_crash, stop_reason)
+
     set_cpu_threads()
     with init(spec) as ctx:
+        if is_finished(ctx.run_dir):
+            log.info(f"{ctx.run_dir} finished earlier; nothing to do")
+            return 0
         quiet_libraries(ctx)
-        tr = Trainer(ctx, spec)
-        log.info(describe(tr))
         metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl", enabled=ctx.is_main)
         try:
+            tr = Trainer(ctx, spec)
+            log.info(describe(tr))
+            resume(ctx, tr, metrics)
+            tr.start_step = tr.step
             outcome = train_loop(ctx, tr, metrics)
-            if outcome == "finished":
-                save_final_model(ctx, tr)
+            if outcome == "stopped":
+                reason = stop_reason(spec, ctx.env)
+                metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)
+                log.info(f"{reason}: stopped at step {tr.step} with a checkpoint")
+                requeue(ctx.env, spec, reason)
+                return EXIT_STOPPED
+            save_final_model(ctx, tr)
+            mark_finished(ctx.run_dir, ctx.env)
+            metrics.write("end", step=tr.step, tokens=tr.tokens_seen)
+        except Exception:
+            requeue_after_crash(ctx.env, spec, ctx.run_dir)
+            raise
         finally:
+            ctx.checkpoint.close()
             metrics.close()
     return 0

@@ -1,0 +1,235 @@
+"""Checkpoints: step-N folders, written under a temporary name, renamed when complete, with a marker.
+
+Layout of <run dir>/checkpoints/:
+    step-00000020/            a complete checkpoint (COMPLETE marker inside)
+        COMPLETE              JSON: step, tokens, world size, time
+        spec.yaml             the resolved spec that wrote it
+        .metadata, __0_0.distcp ...   model + optimizer through torch.distributed.checkpoint (sharded)
+        rank-0.pt, rank-1.pt  per-rank state: trainer position and every RNG state
+    .step-00000040.tmp/       being written (or left by a kill): never resumed from
+
+Resume takes the newest complete folder; one that fails to load is reported and the one before it is
+used. Pruning keeps the newest `keep` complete folders and never deletes the newest.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger("hpcgpu")
+
+MARKER = "COMPLETE"
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    keep: int = 2
+    async_save: bool = False
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete step folders, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    return json.loads((path / MARKER).read_text())
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_ok(ok: bool) -> bool:
+    if not _dist_on():
+        return ok
+    t = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return int(t.item()) == 0
+
+
+_CPU_GROUP: Any = None
+
+
+def _cpu_group() -> Any:
+    """A gloo group for checkpoint coordination (async saves must not share NCCL's stream)."""
+    global _CPU_GROUP
+    if not _dist_on():
+        return None
+    if _CPU_GROUP is None:
+        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _CPU_GROUP
+
+
+def reset_cpu_group() -> None:
+    global _CPU_GROUP
+    _CPU_GROUP = None
+
+
+class CheckpointManager:
+    """Collective save/load of (sharded tensors, per-rank state) in the step-N layout."""
+
+    def __init__(self, root: Path, policy: CheckpointPolicy, rank: int = 0, world_size: int = 1,
+                 spec_text: str | None = None):
+        self.root, self.policy = root, policy
+        self.rank, self.world_size = rank, world_size
+        self.spec_text = spec_text
+        self.last_save_time = time.monotonic()
+        self.last_saved_step: int | None = None
+        self._pending: tuple[Future, Path, int, dict[str, Any]] | None = None
+        self.last_blocking_s = 0.0
+
+    # ------------------------------------------------------------------ when
+    def due_by_steps(self, step: int) -> bool:
+        return bool(self.policy.every_steps) and step % int(self.policy.every_steps) == 0
+
+    def due_by_time(self) -> bool:
+        """Rank-local clock: callers must agree across ranks (the trainer all-reduces it)."""
+        minutes = self.policy.every_minutes
+        return bool(minutes) and time.monotonic() - self.last_save_time >= float(minutes) * 60
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def pending_done(self) -> bool:
+        return self._pending is None or self._pending[0].done()
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, tensors: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any],
+             blocking: bool | None = None) -> None:
+        """Collective. Writes under .step-N.tmp, then marks complete and renames (now or when async ends)."""
+        if self.last_saved_step == step:
+            return
+        self.finish_pending()
+        use_async = self.policy.async_save if blocking is None else not blocking
+        t0 = time.perf_counter()
+        tmp = self.root / f".{step_dir_name(step)}.tmp"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a kill: its contents are unknown
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
+        meta = dict(meta, step=step, world_size=self.world_size, time=time.time())
+        if use_async:
+            fut = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group())
+            self._pending = (fut, tmp, step, meta)  # type: ignore[assignment]
+        else:
+            dcp.save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group())
+            self._finalize(tmp, step, meta)
+        self.last_blocking_s = time.perf_counter() - t0
+        self.last_save_time = time.monotonic()
+        self.last_saved_step = step
+
+    def finish_pending(self) -> None:
+        """Collective: wait for an async save and mark it complete."""
+        if self._pending is None:
+            return
+        fut, tmp, step, meta = self._pending
+        self._pending = None
+        fut.result()
+        self._finalize(tmp, step, meta)
+
+    def _finalize(self, tmp: Path, step: int, meta: dict[str, Any]) -> None:
+        self._barrier()  # every rank's shards are on disk
+        if self.rank == 0:
+            if self.spec_text is not None:
+                (tmp / "spec.yaml").write_text(self.spec_text)
+            marker = tmp / MARKER
+            marker.write_text(json.dumps(meta) + "\n")
+            _fsync_dir(tmp)
+            final = self.root / step_dir_name(step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            log.info(f"checkpoint {final.name} saved")
+            self.prune()
+        self._barrier()
+
+    def prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints; drop leftovers older than the newest complete one."""
+        done = complete_checkpoints(self.root)
+        for old in done[: max(0, len(done) - max(1, self.policy.keep))]:
+            shutil.rmtree(old, ignore_errors=True)
+        if done:
+            newest = int(STEP_RE.match(done[-1].name).group(1))  # type: ignore[union-attr]
+            for p in self.root.glob(".step-*.tmp"):
+                m = re.match(r"^\.step-(\d+)\.tmp$", p.name)
+                if m and int(m.group(1)) <= newest and (self._pending is None or self._pending[1] != p):
+                    shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def load_latest(self, tensors: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+        """Collective. Fill `tensors` in place from the newest loadable checkpoint; return its rank state."""
+        candidates = complete_checkpoints(self.root)
+        for path in reversed(candidates):
+            ok, rank_state, why = self._try_load(path, tensors)
+            if _all_ok(ok):
+                log.info(f"resumed from {path.name}")
+                return path, rank_state
+            log.warning(f"checkpoint {path.name} could not be loaded ({why or 'failed on another rank'}); "
+                        "trying the one before it")
+        return None
+
+    def _try_load(self, path: Path, tensors: dict[str, Any]) -> tuple[bool, dict[str, Any], str]:
+        try:
+            read_marker(path)
+            dcp.load(tensors, checkpoint_id=str(path), process_group=_cpu_group())
+        except Exception as exc:  # a truncated or corrupt checkpoint: fall back, never crash on it
+            return False, {}, f"{exc.__class__.__name__}: {str(exc)[:200]}"
+        rank_file = path / f"rank-{self.rank}.pt"
+        if not rank_file.exists():
+            rank_file = path / "rank-0.pt"  # resumed at another world size: positions agree, RNG differs
+        try:
+            state = torch.load(rank_file, weights_only=False)
+        except Exception as exc:
+            return False, {}, f"{rank_file.name}: {exc.__class__.__name__}: {str(exc)[:200]}"
+        return True, state, ""
+
+    def _barrier(self) -> None:
+        if _dist_on():
+            dist.barrier(group=_cpu_group())
+
+    def close(self) -> None:
+        self.finish_pending()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

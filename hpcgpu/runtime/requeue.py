@@ -1,0 +1,91 @@
+"""After an agreed stop: tell timeout from preemption, requeue (capped), pick the documented exit code.
+
+Exit codes of `hpcgpu run` (every rank):
+    0   finished (or already finished earlier: a finished run never trains or requeues again)
+    75  stopped at a checkpoint after a preemption/timeout signal or Ctrl-C; run again (or the
+        requeued job) resumes from it
+    other  the task failed
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from hpcgpu.runtime.env import DistEnv
+from hpcgpu.spec import Spec
+from hpcgpu.spec.derive import signal_lead_s, time_limit_s
+
+log = logging.getLogger("hpcgpu")
+
+from hpcgpu.launch.exitcodes import EXIT_FINISHED, EXIT_STOPPED  # noqa: E402,F401  (one definition)
+FINISHED_MARKER = "FINISHED"
+TIMEOUT_MARGIN_S = 60
+
+
+def job_elapsed_s(now: float | None = None) -> float | None:
+    start = os.environ.get("HPCGPU_JOB_START")
+    if not start or not start.isdigit():
+        return None
+    return (now or time.time()) - int(start)
+
+
+def stop_reason(spec: Spec, env: DistEnv) -> str:
+    """'timeout' when the signal came because the time limit is near, else 'preempted'."""
+    if env.launcher == "local":
+        return "interrupted"
+    elapsed = job_elapsed_s()
+    if elapsed is not None and elapsed >= time_limit_s(spec) - signal_lead_s(spec) - TIMEOUT_MARGIN_S:
+        return "timeout"
+    return "preempted"
+
+
+def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
+    """Rank 0 asks SLURM to requeue this job (array task aware), unless capped. True if requeued."""
+    if env.launcher != "slurm" or not env.is_main:
+        return False
+    if not spec.slurm.requeue:
+        log.warning(f"{reason}: slurm.requeue is false; not requeuing")
+        return False
+    if env.restart_count >= spec.slurm.max_requeues:
+        log.warning(f"{reason}: requeue cap reached ({env.restart_count} of slurm.max_requeues="
+                    f"{spec.slurm.max_requeues}); not requeuing")
+        return False
+    target = env.requeue_target
+    if not target:
+        return False
+    proc = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.warning(f"{reason}: `scontrol requeue {target}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        return False
+    log.info(f"{reason}: requeued job {target} (restart {env.restart_count + 1} of at most "
+             f"{spec.slurm.max_requeues})")
+    return True
+
+
+def crash_retries_file(run_dir: Path) -> Path:
+    return run_dir / "crash-retries"
+
+
+def requeue_after_crash(env: DistEnv, spec: Spec, run_dir: Path) -> bool:
+    """A crash is requeued only when the spec asks (slurm.max_retries), and at most that often."""
+    if spec.slurm.max_retries <= 0 or env.launcher != "slurm" or not env.is_main:
+        return False
+    path = crash_retries_file(run_dir)
+    used = int(path.read_text()) if path.exists() and path.read_text().strip().isdigit() else 0
+    if used >= spec.slurm.max_retries:
+        log.warning(f"crash: retry cap reached ({used} of slurm.max_retries={spec.slurm.max_retries})")
+        return False
+    path.write_text(f"{used + 1}\n")
+    return requeue(env, spec, f"crash (retry {used + 1} of {spec.slurm.max_retries})")
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (run_dir / FINISHED_MARKER).exists()
+
+
+def mark_finished(run_dir: Path, env: DistEnv) -> None:
+    if env.is_main:
+        (run_dir / FINISHED_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
