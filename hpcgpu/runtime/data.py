@@ -57,15 +57,25 @@ def read_texts(path: str) -> list[str]:
         raise HpcgpuError(f"data file not found: {path}")
     if p.suffix == ".jsonl":
         texts = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(read_utf8(p).splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                texts.append(json.loads(line)["text"])
+                text = json.loads(line)["text"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise HpcgpuError(f"{path}:{n}: expected a JSON object with a \"text\" field") from None
+                text = None
+            if not isinstance(text, str):
+                raise HpcgpuError(f"{path}:{n}: expected a JSON object with a \"text\" field (a string)")
+            texts.append(text)
         return texts
-    return [p.read_text(encoding="utf-8")]
+    return [read_utf8(p)]
+
+
+def read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise HpcgpuError(f"{path}: not UTF-8 text (byte {exc.start}); convert it or give a .jsonl") from None
 
 
 def tokenize(texts: list[str], tokenizer: Any) -> np.ndarray:

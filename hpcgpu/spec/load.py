@@ -22,6 +22,7 @@ class _LineLoader(yaml.SafeLoader):
     def __init__(self, stream: Any):
         super().__init__(stream)
         self.key_lines: dict[int, dict[str, int]] = {}
+        self.duplicates: dict[int, tuple[str, int]] = {}  # mapping id -> (first repeated key, its line)
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
@@ -33,7 +34,8 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
         if not isinstance(key, (str, int, float, bool)):
             raise SpecError("", f"line {key_node.start_mark.line + 1}: mapping keys must be plain words")
         if key in out:
-            raise SpecError(str(key), f"line {key_node.start_mark.line + 1}: key given twice")
+            loader.duplicates.setdefault(id(out), (str(key), key_node.start_mark.line + 1))
+            continue
         out[key] = loader.construct_object(value_node, deep=True)
         lines[str(key)] = key_node.start_mark.line + 1
     loader.key_lines[id(out)] = lines
@@ -57,7 +59,18 @@ def read_yaml(text: str, source: str) -> tuple[Any, LineMap]:
     finally:
         loader.dispose()
     _collect_lines(data, "", loader.key_lines, lines.lines)
+    _reject_duplicates(data, "", loader.duplicates, source)
     return data, lines
+
+
+def _reject_duplicates(data: Any, path: str, dups: dict[int, tuple[str, int]], source: str) -> None:
+    if not isinstance(data, dict):
+        return
+    if id(data) in dups:
+        key, line = dups[id(data)]
+        raise SpecError(f"{path}.{key}" if path else key, "key given twice", source=source, line=line)
+    for key, value in data.items():
+        _reject_duplicates(value, f"{path}.{key}" if path else str(key), dups, source)
 
 
 def _collect_lines(data: Any, path: str, key_lines: dict[int, dict[str, int]], out: dict[str, int]) -> None:
@@ -80,6 +93,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_-]+)*$", key):
         raise SpecError("", f"--set {item!r}: the key must be dotted words like train.lr")
+    if re.fullmatch(r"\s*(\d+-)?\d+(:\d+)+\s*", text):
+        return key, text.strip()  # 10:00:00 is a time, not YAML 1.1's base-60 integer 36000
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
@@ -126,6 +141,8 @@ def load_spec(
     if not text.strip():
         raise SpecError("", "the spec file is empty; it needs at least `name:`", source=str(path))
     raw, lines = read_yaml(text, str(path))
+    if raw is None:
+        raise SpecError("", "the spec file has no keys (only comments?); it needs at least `name:`", source=str(path))
     spec = spec_from_raw(raw, lines, overrides, gpus=gpus, nodes=nodes)
     return resolve_paths(spec, p.resolve().parent)
 

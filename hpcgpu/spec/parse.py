@@ -20,6 +20,9 @@ class LineMap:
         self.flags: dict[str, str] = {}
 
     def error(self, path: str, message: str) -> SpecError:
+        for flag_key, flag in self.flags.items():
+            if path and flag_key.startswith(path + "."):
+                return SpecError(path, message, source=flag)  # a section that only a flag created
         for prefix in _prefixes(path):
             if prefix in self.flags:
                 return SpecError(path, message, source=self.flags[prefix])
@@ -104,6 +107,9 @@ def parse_value(tp: Any, value: Any, path: str, lines: LineMap, meta: Any = None
         if not isinstance(value, dict):
             raise lines.error(path, f"must be a mapping, got {_kind(value)}")
         _, item = get_args(tp)
+        if item is str:  # env: {OMP_NUM_THREADS: 1, DEBUG: true} means the strings "1" and "true"
+            value = {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, (int, float)) else v
+                     for k, v in value.items()}
         return {str(k): parse_value(item, v, _join(path, str(k)), lines) for k, v in value.items()}
     return _parse_scalar(tp, value, path, lines, meta)
 

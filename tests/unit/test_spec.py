@@ -229,8 +229,6 @@ def test_duplicate_key_rejected(write_spec):
     assert "given twice" in msg and "gpus" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG hpcgpu/spec/load.py _construct_mapping: duplicate-key SpecError "
-                   "has no source file and only the last key, not the dotted path")
 def test_duplicate_key_names_file_line_and_dotted_key(write_spec):
     text = COMMAND + "resources:\n  gpus: 1\n  gpus: 2\n"
     path = write_spec(text)
@@ -284,8 +282,6 @@ def test_set_beats_the_file_and_errors_name_the_flag(write_spec):
     assert "--set resources.gpu=2" in msg and "did you mean 'gpus'" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG hpcgpu/spec/load.py apply_overrides: the flag is recorded only "
-                   "for the full key, so an unknown *section* in --set is blamed on the spec file")
 def test_set_unknown_section_names_the_flag(write_spec):
     msg = load_error(write_spec(COMMAND), ["resourcs.gpus=2"])
     assert "--set resourcs.gpus=2" in msg and "did you mean 'resources'" in msg

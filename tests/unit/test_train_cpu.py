@@ -1,0 +1,129 @@
+"""task: train on CPU ranks through the local executor (real processes, gloo, DDP).
+
+One 2-rank run is shared by several tests; the others start their own small runs. Each run is a
+tiny GPT-2 (1 layer, 32 wide, bytes as tokens, no dropout) for a few seconds.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import EVAL_TEXT, only_run_dir, submit, train_records, train_spec, write_spec_file
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+
+
+def losses(run_dir: Path) -> list[float]:
+    recs = train_records(run_dir)
+    assert [r["step"] for r in recs] == list(range(1, len(recs) + 1)), "one train record per step (log_every 1)"
+    return [r["loss"] for r in recs]
+
+
+def run_train(folder: Path, spec: dict, *args: str) -> Path:
+    path = write_spec_file(folder, spec)
+    proc = submit(path, *args)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return only_run_dir(folder / "runs", spec["name"])
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference run: 2 CPU ranks, global batch 8 = micro 2 x accum 2 x 2 ranks, 12 steps."""
+    return run_train(tmp_path_factory.mktemp("ddp"), train_spec("ddp", train={"max_steps": STEPS}))
+
+
+def test_two_rank_training_lowers_the_loss(ddp_run: Path) -> None:
+    recs = train_records(ddp_run)
+    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
+    for r in recs:
+        assert math.isfinite(r["loss"]) and r["lr"] > 0 and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0
+        assert r["tokens"] == r["step"] * 8 * 64
+    first, last = recs[0]["loss"], recs[-1]["loss"]
+    assert first > 5.0  # about ln(256) = 5.55 for a random byte model
+    assert last < first - 0.6, f"loss {first:.3f} -> {last:.3f}: not learning"
+
+
+def test_run_dir_holds_logs_of_every_rank(ddp_run: Path) -> None:
+    rank0 = (ddp_run / "logs" / "rank-0.log").read_text()
+    assert (ddp_run / "logs" / "rank-1.log").exists()
+    assert f"step {STEPS:>6}/{STEPS}" in rank0 and "saved the final model" in rank0
+    assert "Traceback" not in rank0
+
+
+def test_saved_model_loads_with_transformers_and_is_the_trained_one(ddp_run: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ddp_run / "model").eval()
+    data = torch.tensor(list(EVAL_TEXT.read_bytes()[: 4 * 64])).reshape(4, 64)
+    with torch.no_grad():
+        out = model(input_ids=data, labels=data)
+    assert out.logits.shape == (4, 64, 256)
+    config = AutoConfig.from_pretrained(ddp_run / "model")
+    torch.manual_seed(1)
+    fresh = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        fresh_loss = fresh(input_ids=data, labels=data).loss.item()
+    assert out.loss.item() < fresh_loss - 0.5  # the weights saved are the trained ones
+
+
+@pytest.mark.xfail(strict=True, reason="BUG hpcgpu/runtime/tasks/train.py train_loop: the logged lr is "
+                                       "scheduler.get_last_lr() after scheduler.step(), i.e. the lr of the "
+                                       "NEXT step (warmup_steps 2, lr 3e-3: step 1 logs 3e-3, used 1.5e-3)")
+def test_logged_lr_is_the_lr_the_step_used(ddp_run: Path) -> None:
+    recs = train_records(ddp_run)
+    assert recs[0]["lr"] == pytest.approx(1.5e-3)  # warmup: (0 + 1) / 2 of lr
+    assert recs[1]["lr"] == pytest.approx(3.0e-3)
+
+
+def test_one_and_two_ranks_follow_the_same_loss_curve(ddp_run: Path, tmp_path: Path) -> None:
+    one = run_train(tmp_path, train_spec("ddp", train={"max_steps": STEPS}), "--gpus", "1")
+    a, b = losses(ddp_run), losses(one)
+    assert len(a) == len(b) == STEPS
+    for step, (x, y) in enumerate(zip(a, b), 1):
+        assert y == pytest.approx(x, rel=1e-4), f"step {step}: 2 ranks {x} vs 1 rank {y}"
+
+
+def test_micro_batch_size_does_not_change_the_loss_curve(tmp_path: Path) -> None:
+    curves = {}
+    for micro in (4, 1):
+        spec = train_spec(f"micro{micro}", resources={"gpus": 1}, train={"max_steps": 8, "micro_batch_size": micro})
+        curves[micro] = losses(run_train(tmp_path, spec))
+    assert len(curves[4]) == len(curves[1]) == 8
+    for step, (x, y) in enumerate(zip(curves[4], curves[1]), 1):
+        assert y == pytest.approx(x, rel=1e-4), f"step {step}: micro 4 {x} vs micro 1 {y}"
+
+
+def test_fine_tune_from_a_saved_model(ddp_run: Path, tmp_path: Path) -> None:
+    spec = train_spec("finetune", resources={"gpus": 1}, train={"max_steps": 2})
+    spec["model"] = {"name_or_path": str(ddp_run / "model")}
+    tuned = losses(run_train(tmp_path, spec))
+    fresh = losses(ddp_run)
+    assert tuned[0] < fresh[0] - 0.6, f"initial loss {tuned[0]:.3f} from the saved model vs {fresh[0]:.3f} fresh"
+    assert tuned[0] < fresh[-1] + 0.2  # it starts about where the first run ended
+
+
+def assert_one_line_error(proc, needle: str) -> None:  # type: ignore[no-untyped-def]
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{out}"
+    assert "Traceback" not in out, out
+    lines = [line for line in out.splitlines() if needle in line]
+    assert len(lines) == 1 and lines[0].startswith("hpcgpu: error:"), out
+
+
+def test_missing_data_file_exits_2_with_one_line(tmp_path: Path) -> None:
+    spec = train_spec("nodata", data={"train": str(tmp_path / "missing.txt")})
+    proc = submit(write_spec_file(tmp_path, spec), timeout=60)
+    assert_one_line_error(proc, "data file not found")
+    assert str(tmp_path / "missing.txt") in proc.stdout + proc.stderr
+
+
+def test_vocab_too_small_for_byte_tokenizer_exits_2_with_one_line(tmp_path: Path) -> None:
+    spec = train_spec("smallvocab", resources={"gpus": 1}, model={"config": {"vocab_size": 100}})
+    spec["model"]["config"].update(bos_token_id=0, eos_token_id=0)
+    proc = submit(write_spec_file(tmp_path, spec), timeout=60)
+    assert_one_line_error(proc, "vocab_size 100")
