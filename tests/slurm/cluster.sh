@@ -157,8 +157,8 @@ JobRequeue=1
 PreemptMode=OFF
 KillWait=30
 MaxArraySize=1001
-NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6821 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:4 State=UNKNOWN
-NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6822 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=8000 Gres=gpu:4 State=UNKNOWN
+NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6821 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=16000 Gres=gpu:4 State=UNKNOWN
+NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6822 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=16000 Gres=gpu:4 State=UNKNOWN
 PartitionName=gpu Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 PartitionName=debug Nodes=n1 MaxTime=INFINITE State=UP
 EOF

@@ -98,6 +98,36 @@ def submit(spec_path: Path, *args: str, timeout: float = 120, env: dict[str, str
                           env=env or job_env(), cwd=spec_path.parent)
 
 
+def submit_all(jobs: dict[str, tuple[Path, tuple[str, ...]]], timeout: float = 180
+               ) -> dict[str, subprocess.CompletedProcess]:
+    """Run several `submit`s at once (the machine has few cores; most of a tiny run is start-up).
+
+    jobs: key -> (spec path, extra args). Output goes to files next to each spec, not pipes.
+    """
+    procs = {}
+    for key, (path, args) in jobs.items():
+        out, err = open(path.with_suffix(f".{key}.out"), "w"), open(path.with_suffix(f".{key}.err"), "w")
+        proc = subprocess.Popen(submit_cmd(path, *args), stdout=out, stderr=err, text=True, env=job_env(),
+                                cwd=path.parent, start_new_session=True)
+        procs[key] = (proc, out, err)
+    deadline = time.monotonic() + timeout
+    results = {}
+    try:
+        for key, (proc, out, err) in procs.items():
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            out.close()
+            err.close()
+            results[key] = subprocess.CompletedProcess(proc.args, code, Path(out.name).read_text(),
+                                                       Path(err.name).read_text())
+    finally:
+        for key, (proc, out, err) in procs.items():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                kill_leftovers(str(jobs[key][0].parent))
+    return results
+
+
 def run_dirs(runs: Path, name: str) -> list[Path]:
     return sorted(p for p in (runs / name).glob("*") if p.is_dir())
 

@@ -6,11 +6,12 @@ tiny GPT-2 (1 layer, 32 wide, bytes as tokens, no dropout) for a few seconds.
 from __future__ import annotations
 
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import EVAL_TEXT, only_run_dir, submit, train_records, train_spec, write_spec_file
+from conftest import EVAL_TEXT, only_run_dir, submit, submit_all, train_records, train_spec, write_spec_file
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +31,39 @@ def run_train(folder: Path, spec: dict, *args: str) -> Path:
     return only_run_dir(folder / "runs", spec["name"])
 
 
+def succeeded(job: tuple[subprocess.CompletedProcess, Path], name: str) -> Path:
+    proc, folder = job
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return only_run_dir(folder / "runs", name)
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference run: 2 CPU ranks, global batch 8 = micro 2 x accum 2 x 2 ranks, 12 steps."""
-    return run_train(tmp_path_factory.mktemp("ddp"), train_spec("ddp", train={"max_steps": STEPS}))
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every independent run of this module, started together (the runs are mostly start-up time).
+
+    ddp:     the reference, 2 CPU ranks, global batch 8 = micro 2 x accum 2 x 2 ranks, 12 steps
+    one:     the same spec with --gpus 1 (micro 2 x accum 4)
+    micro4/micro1: 1 rank, 8 steps, micro batch 4 vs 1
+    nodata/smallvocab: bad inputs
+    """
+    specs = {
+        "ddp": (train_spec("ddp", train={"max_steps": STEPS}), ()),
+        "one": (train_spec("ddp", train={"max_steps": STEPS}), ("--gpus", "1")),
+        "micro4": (train_spec("micro4", resources={"gpus": 1}, train={"max_steps": 8, "micro_batch_size": 4}), ()),
+        "micro1": (train_spec("micro1", resources={"gpus": 1}, train={"max_steps": 8, "micro_batch_size": 1}), ()),
+        "smallvocab": (train_spec("smallvocab", resources={"gpus": 1}, model={"config": {"vocab_size": 100}}), ()),
+    }
+    nodata = tmp_path_factory.mktemp("nodata")
+    specs["nodata"] = (train_spec("nodata", resources={"gpus": 1}, data={"train": str(nodata / "missing.txt")}), ())
+    folders = {key: nodata if key == "nodata" else tmp_path_factory.mktemp(key) for key in specs}
+    paths = {key: (write_spec_file(folders[key], spec), args) for key, (spec, args) in specs.items()}
+    results = submit_all(paths, timeout=240)
+    return {key: (results[key], folders[key]) for key in specs}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(jobs: dict) -> Path:
+    return succeeded(jobs["ddp"], "ddp")
 
 
 def test_two_rank_training_lowers_the_loss(ddp_run: Path) -> None:
@@ -80,21 +110,17 @@ def test_logged_lr_is_the_lr_the_step_used(ddp_run: Path) -> None:
     assert recs[1]["lr"] == pytest.approx(3.0e-3)
 
 
-def test_one_and_two_ranks_follow_the_same_loss_curve(ddp_run: Path, tmp_path: Path) -> None:
-    one = run_train(tmp_path, train_spec("ddp", train={"max_steps": STEPS}), "--gpus", "1")
-    a, b = losses(ddp_run), losses(one)
+def test_one_and_two_ranks_follow_the_same_loss_curve(ddp_run: Path, jobs: dict) -> None:
+    a, b = losses(ddp_run), losses(succeeded(jobs["one"], "ddp"))
     assert len(a) == len(b) == STEPS
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert y == pytest.approx(x, rel=1e-4), f"step {step}: 2 ranks {x} vs 1 rank {y}"
 
 
-def test_micro_batch_size_does_not_change_the_loss_curve(tmp_path: Path) -> None:
-    curves = {}
-    for micro in (4, 1):
-        spec = train_spec(f"micro{micro}", resources={"gpus": 1}, train={"max_steps": 8, "micro_batch_size": micro})
-        curves[micro] = losses(run_train(tmp_path, spec))
-    assert len(curves[4]) == len(curves[1]) == 8
-    for step, (x, y) in enumerate(zip(curves[4], curves[1]), 1):
+def test_micro_batch_size_does_not_change_the_loss_curve(jobs: dict) -> None:
+    m4, m1 = losses(succeeded(jobs["micro4"], "micro4")), losses(succeeded(jobs["micro1"], "micro1"))
+    assert len(m4) == len(m1) == 8
+    for step, (x, y) in enumerate(zip(m4, m1), 1):
         assert y == pytest.approx(x, rel=1e-4), f"step {step}: micro 4 {x} vs micro 1 {y}"
 
 
@@ -115,15 +141,11 @@ def assert_one_line_error(proc, needle: str) -> None:  # type: ignore[no-untyped
     assert len(lines) == 1 and lines[0].startswith("hpcgpu: error:"), out
 
 
-def test_missing_data_file_exits_2_with_one_line(tmp_path: Path) -> None:
-    spec = train_spec("nodata", data={"train": str(tmp_path / "missing.txt")})
-    proc = submit(write_spec_file(tmp_path, spec), timeout=60)
+def test_missing_data_file_exits_2_with_one_line(jobs: dict) -> None:
+    proc, folder = jobs["nodata"]
     assert_one_line_error(proc, "data file not found")
-    assert str(tmp_path / "missing.txt") in proc.stdout + proc.stderr
+    assert str(folder / "missing.txt") in proc.stdout + proc.stderr
 
 
-def test_vocab_too_small_for_byte_tokenizer_exits_2_with_one_line(tmp_path: Path) -> None:
-    spec = train_spec("smallvocab", resources={"gpus": 1}, model={"config": {"vocab_size": 100}})
-    spec["model"]["config"].update(bos_token_id=0, eos_token_id=0)
-    proc = submit(write_spec_file(tmp_path, spec), timeout=60)
-    assert_one_line_error(proc, "vocab_size 100")
+def test_vocab_too_small_for_byte_tokenizer_exits_2_with_one_line(jobs: dict) -> None:
+    assert_one_line_error(jobs["smallvocab"][0], "vocab_size 100")

@@ -1,0 +1,214 @@
+"""The local executor: one process per rank with the environment SLURM gives, exit codes passed
+through, one failing rank ends the job, Ctrl-C leaves no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import (job_env, kill_leftovers, rank_processes, submit, submit_all, submit_cmd, train_spec,
+                      wait_for, write_spec_file)
+
+pytestmark = pytest.mark.slow
+
+ENV_KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HPCGPU_RUN_DIR"]
+
+ENTRY = '''
+import json, os, time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+OUT = Path(os.environ["OUT"])
+
+
+def report(ctx):
+    t = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
+    dist.all_reduce(t)
+    (OUT / f"ctx-{ctx.rank}.json").write_text(json.dumps({
+        "rank": ctx.rank, "local_rank": ctx.local_rank, "world_size": ctx.world_size, "is_main": ctx.is_main,
+        "device": str(ctx.device), "backend": dist.get_backend(), "sum": t.item(), "run_dir": str(ctx.run_dir)}))
+    return 10 + int(t.item())
+
+
+def crash(ctx):
+    if ctx.rank == 1:
+        (OUT / "crash-time").write_text(repr(time.time()))
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.barrier()  # waits for rank 1, which never comes
+    time.sleep(600)
+    return 0
+
+
+def crash_while_busy(ctx):
+    if ctx.rank == 1:
+        (OUT / "crash-time").write_text(repr(time.time()))
+        raise RuntimeError("rank 1 fails on purpose")
+    time.sleep(600)  # rank 0 in its own code, not in a collective: SIGTERM only sets the stop flag
+    return 0
+'''
+
+
+def command_spec(name: str, code: str, out: Path, gpus: int = 3) -> dict:
+    return {"name": name, "task": "command", "resources": {"gpus": gpus, "cpus_per_gpu": 1},
+            "command": [sys.executable, "-c", code], "env": {"OUT": str(out)}}
+
+
+def callable_spec(name: str, entry: str, folder: Path) -> dict:
+    (folder / "hpcgpu_test_entry.py").write_text(ENTRY)
+    return {"name": name, "task": "callable", "resources": {"gpus": 2, "cpus_per_gpu": 1},
+            "entry": f"hpcgpu_test_entry:{entry}", "env": {"PYTHONPATH": str(folder), "OUT": str(folder)}}
+
+
+@pytest.fixture(scope="module")
+def command_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    dump = ("import json, os; json.dump(dict(os.environ), "
+            "open(os.path.join(os.environ['OUT'], 'env-' + os.environ['RANK'] + '.json'), 'w'))")
+    codes = {
+        "envdump": dump,
+        "exit7": "import os, sys; sys.exit(7 if os.environ['RANK'] == '1' else 0)",
+        "killed": "import os, signal; os.environ['RANK'] == '2' and os.kill(os.getpid(), signal.SIGKILL)",
+    }
+    folders = {key: tmp_path_factory.mktemp(key) for key in codes}
+    paths = {key: (write_spec_file(folders[key], command_spec(key, code, folders[key])), ())
+             for key, code in codes.items()}
+    results = submit_all(paths, timeout=60)
+    return {key: (results[key], folders[key]) for key in codes}
+
+
+def test_command_ranks_get_the_torchrun_variables(command_jobs: dict) -> None:
+    proc, folder = command_jobs["envdump"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    envs = [json.loads((folder / f"env-{rank}.json").read_text()) for rank in range(3)]
+    run_dirs = list((folder / "runs" / "envdump").iterdir())
+    assert len(run_dirs) == 1
+    for rank, env in enumerate(envs):
+        assert all(key in env for key in ENV_KEYS), sorted(set(ENV_KEYS) - set(env))
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(rank), str(rank), "3", "3")
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert Path(env["HPCGPU_RUN_DIR"]) == run_dirs[0]
+    ports = {env["MASTER_PORT"] for env in envs}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+
+
+def test_command_exit_code_passes_through(command_jobs: dict) -> None:
+    proc, _ = command_jobs["exit7"]
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert "failed with exit code 7" in proc.stderr
+
+
+def test_command_killed_by_a_signal_exits_128_plus_n(command_jobs: dict) -> None:
+    proc, _ = command_jobs["killed"]
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stdout + proc.stderr
+
+
+def test_callable_gets_a_context_and_a_gloo_group(tmp_path: Path) -> None:
+    proc = submit(write_spec_file(tmp_path, callable_spec("report", "report", tmp_path)), timeout=90)
+    # each rank returns 10 + (1 + 2): the all_reduce happened, and the int became the exit code
+    assert proc.returncode == 13, proc.stdout + proc.stderr
+    seen = [json.loads((tmp_path / f"ctx-{rank}.json").read_text()) for rank in range(2)]
+    run_dir = next((tmp_path / "runs" / "report").iterdir())
+    for rank, ctx in enumerate(seen):
+        assert ctx == {"rank": rank, "local_rank": rank, "world_size": 2, "is_main": rank == 0, "device": "cpu",
+                       "backend": "gloo", "sum": 3.0, "run_dir": str(run_dir)}
+
+
+@pytest.mark.parametrize("entry", ["crash", "crash_while_busy"])
+def test_a_crashing_rank_ends_the_job(tmp_path: Path, entry: str) -> None:
+    """Rank 1 raises; rank 0 waits in a barrier (gloo notices) or sleeps (the executor must kill it)."""
+    marker = str(tmp_path / "runs")
+    proc = submit(write_spec_file(tmp_path, callable_spec("crash", entry, tmp_path)), timeout=90)
+    ended = time.time()
+    try:
+        assert proc.returncode == 1, proc.stdout + proc.stderr  # rank 1's own exit code
+        elapsed = ended - float((tmp_path / "crash-time").read_text())
+        print(f"crash-to-exit ({entry}): {elapsed:.1f} s")
+        assert elapsed < 30, f"the job took {elapsed:.1f} s to end after rank 1 crashed"
+        rank1_log = next((tmp_path / "runs" / "crash").glob("*/logs/rank-1.log")).read_text()
+        assert "rank 1 fails on purpose" in rank1_log
+        assert not rank_processes(marker)
+    finally:
+        kill_leftovers(marker)
+
+
+def start_long_train(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    spec = train_spec(name, train={"max_steps": 100000, "warmup_steps": 2})
+    path = write_spec_file(tmp_path, spec)
+    log = open(tmp_path / f"{name}.out", "w")
+    proc = subprocess.Popen(submit_cmd(path), stdout=log, stderr=subprocess.STDOUT, env=job_env(),
+                            cwd=tmp_path, start_new_session=True)
+    log.close()
+
+    def first_metrics() -> Path | None:
+        for m in (tmp_path / "runs" / name).glob("*/metrics.jsonl"):
+            if '"kind": "train"' in m.read_text():
+                return m
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early ({proc.returncode}): {(tmp_path / f'{name}.out').read_text()}")
+        return None
+
+    metrics = wait_for(first_metrics, timeout=60)
+    assert metrics, "no train metrics within 60 s"
+    return proc, metrics.parent
+
+
+def stop(proc: subprocess.Popen, marker: str) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    kill_leftovers(marker)
+
+
+def test_a_rank_killed_mid_training_ends_the_job(tmp_path: Path) -> None:
+    marker = str(tmp_path / "runs")
+    proc, run_dir = start_long_train(tmp_path, "killrank")
+    try:
+        ranks = rank_processes(marker)
+        assert len(ranks) == 2
+        victim = next(p for p in ranks if p.environ().get("SLURM_PROCID") == "1")
+        victim.kill()
+        killed = time.monotonic()
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - killed
+        print(f"crash-to-exit (train, rank 1 SIGKILL): {elapsed:.1f} s, exit {code}")
+        assert code != 0
+        assert elapsed < 30, f"the job took {elapsed:.1f} s to end after rank 1 was killed"
+        assert not rank_processes(marker)
+        assert not (run_dir / "model").exists()
+    finally:
+        stop(proc, marker)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
+    marker = str(tmp_path / "runs")
+    proc, run_dir = start_long_train(tmp_path, "ctrlc")
+    try:
+        pids = [p.pid for p in rank_processes(marker)]
+        assert len(pids) == 2
+        os.kill(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        gone = wait_for(lambda: not any(alive(pid) for pid in pids), timeout=30)
+        elapsed = time.monotonic() - sent
+        print(f"Ctrl-C to all ranks gone: {elapsed:.1f} s")
+        assert gone, f"rank processes still alive 30 s after Ctrl-C: {rank_processes(marker)}"
+        proc.wait(timeout=30)
+        assert not rank_processes(marker)
+    finally:
+        stop(proc, marker)
