@@ -63,10 +63,15 @@ def _expand_range(part: str, item: str) -> list[str]:
     return [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
 
 
-def port_for_job(job_id: str | int) -> int:
-    """MASTER_PORT derived from the job id, so two jobs sharing a node never collide on 29500."""
+def port_for_job(job_id: str | int, step_id: str | int | None = None) -> int:
+    """MASTER_PORT derived from the job id, so two jobs sharing a node never collide on 29500.
+
+    Steps after the first (two srun steps side by side in one allocation) are spread apart too;
+    step 0 and the batch script share the plain rule that the sbatch script computes in bash.
+    """
     digits = re.sub(r"\D", "", str(job_id)) or "0"
-    return PORT_BASE + int(digits) % PORT_SPAN
+    step = int(step_id) if step_id is not None and str(step_id).isdigit() else 0
+    return PORT_BASE + (int(digits) + 7919 * step) % PORT_SPAN
 
 
 # The same rule in bash, for the rendered sbatch script (kept next to the Python rule on purpose).

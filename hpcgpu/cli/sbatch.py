@@ -7,7 +7,7 @@ import click
 
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import UsageError
-from hpcgpu.launch.rundir import make_run_dir, write_atomic
+from hpcgpu.launch.rundir import make_run_dir, missing_inputs, write_atomic
 from hpcgpu.launch.sbatch import render_sbatch
 
 
@@ -21,6 +21,8 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     spec = read_spec(spec_file, overrides, gpus, nodes)
     if output and Path(output).parent and not Path(output).parent.exists():
         raise UsageError(f"-o {output}: the folder {Path(output).parent} does not exist")
+    for item in missing_inputs(spec):
+        click.echo(f"hpcgpu: warning: file not found here: {item} (fine if it exists where the job runs)", err=True)
     run_dir = make_run_dir(spec)
     spec_path = run_dir / "spec.yaml"
     text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))

@@ -8,7 +8,7 @@ import click
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import HpcgpuError, JobFailed
 from hpcgpu.launch.exitcodes import EXIT_STOPPED
-from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir
+from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir, missing_inputs
 
 
 @click.command()
@@ -32,6 +32,10 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
         click.echo(f"# would run {spec.resources.gpus} local rank(s): python -m hpcgpu run <run dir>/spec.yaml")
         return 0
     from hpcgpu.launch.local import run_local
+
+    missing = missing_inputs(spec)
+    if missing:
+        raise HpcgpuError(f"file not found: {missing[0]}")
 
     run_dir = None if fresh else find_unfinished_run(spec)
     if run_dir is not None:

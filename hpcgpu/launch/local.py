@@ -162,9 +162,23 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
         for r in ranks:
             r.proc.wait()
             r.log.close()
-    if first_failure is not None:
-        return _shell_code(first_failure[1])
-    return next((_shell_code(r.proc.returncode) for r in ranks if r.proc.returncode), 0)
+    if first_failure is None:
+        failed = [r for r in ranks if r.proc.returncode not in (0, None)]
+        first_failure = (failed[0].index, failed[0].proc.returncode) if failed else None
+    if first_failure is None:
+        return 0
+    index, code = first_failure
+    if index != 0 and code != 75:  # rank 0 is on the console already; show where the others failed
+        say(f"rank {index} exited with code {_shell_code(code)}; the end of its log:\n" + tail(ranks[index].log.name))
+    return _shell_code(code)
+
+
+def tail(path: str, lines: int = 15) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("  | " + line for line in text[-lines:])
 
 
 def _shell_code(code: int) -> int:

@@ -44,3 +44,13 @@ def find_unfinished_run(spec: Spec) -> Path | None:
         if spec_file.read_text() == text:
             return run_dir.resolve()
     return None
+
+
+def missing_inputs(spec: Spec) -> list[str]:
+    """Input files the spec names that do not exist here, as 'key: path' (hub ids are not paths)."""
+    out = []
+    for key, value in (("data.train", spec.data.train), ("data.eval", spec.data.eval),
+                       ("distributed.deepspeed.config", spec.distributed.deepspeed.config)):
+        if value and not Path(value).exists():
+            out.append(f"{key}: {value}")
+    return out

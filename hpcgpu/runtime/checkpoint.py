@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 log = logging.getLogger("hpcgpu")
 
@@ -143,6 +144,7 @@ class CheckpointManager:
             self._pending = (fut, tmp, step, meta)  # type: ignore[assignment]
         else:
             dcp.save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group())
+            _kill_drill(step)
             self._finalize(tmp, step, meta)
         self.last_blocking_s = time.perf_counter() - t0
         self.last_save_time = time.monotonic()
@@ -203,8 +205,8 @@ class CheckpointManager:
         try:
             read_marker(path)
             dcp.load(tensors, checkpoint_id=str(path), process_group=_cpu_group())
-        except Exception as exc:  # a truncated or corrupt checkpoint: fall back, never crash on it
-            return False, {}, f"{exc.__class__.__name__}: {str(exc)[:200]}"
+        except (Exception, CheckpointException) as exc:  # truncated or corrupt: fall back, never crash on it
+            return False, {}, _first_line(exc)
         rank_file = path / f"rank-{self.rank}.pt"
         if not rank_file.exists():
             rank_file = path / "rank-0.pt"  # resumed at another world size: positions agree, RNG differs
@@ -220,6 +222,24 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException):
+        failures = getattr(exc, "failures", {}) or {}
+        inner = next(iter(failures.values()), None)
+        if isinstance(inner, BaseException):
+            return f"{inner.__class__.__name__} on rank(s) {sorted(failures)}: {str(inner)[:150]}"
+    return f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _kill_drill(step: int) -> None:
+    """HPCGPU_KILL_IN_CHECKPOINT=STEP: SIGKILL this rank with the step's shards written but the
+    checkpoint not yet complete, as a node failure mid-write would (a drill for tests and users)."""
+    if os.environ.get("HPCGPU_KILL_IN_CHECKPOINT") == str(step):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -137,10 +137,10 @@ def _visible(env: Mapping[str, str]) -> tuple[str, ...] | None:
     return tuple(v for v in (s.strip() for s in value.split(",")) if v)
 
 
-def _port(env: Mapping[str, str], job_id: str | None) -> int:
+def _port(env: Mapping[str, str], job_id: str | None, step_id: str | None = None) -> int:
     if env.get("MASTER_PORT"):
         return _int(env, "MASTER_PORT")
-    return port_for_job(job_id) if job_id else 29500
+    return port_for_job(job_id, step_id) if job_id else 29500
 
 
 def tasks_per_node(expr: str) -> list[int]:
@@ -154,27 +154,42 @@ def tasks_per_node(expr: str) -> list[int]:
     return out
 
 
+def _pick(env: Mapping[str, str], *names: str) -> tuple[str, str | None]:
+    """The first of `names` that is set, with its value (or the first name and None)."""
+    name = next((n for n in names if env.get(n)), names[0])
+    return name, env.get(name) or None
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    return _pick(env, *names)[1]
+
+
 def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
-    world = _int(env, "SLURM_NTASKS", _int(env, "SLURM_NPROCS", 1))
-    nnodes = _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
+    # Inside an srun step the SLURM_STEP_* variables describe the step, which may use only part of
+    # the allocation; the job-wide ones come second (the local executor sets only those).
+    world_var = _pick(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")[0]
+    world = _int(env, world_var)
+    nnodes = int(_first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1)
     node_rank = _int(env, "SLURM_NODEID", 0)
-    per_node_expr = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") \
-        or env.get("SLURM_NTASKS_PER_NODE") or str(world // max(nnodes, 1))
+    per_node_var, per_node_expr = _pick(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                                        "SLURM_NTASKS_PER_NODE")
+    per_node_expr = per_node_expr or str(world // max(nnodes, 1))
     per_node = tasks_per_node(per_node_expr)
     if len(per_node) == 1 and nnodes > 1:
         per_node = per_node * nnodes
     if sum(per_node) != world:
         raise EnvironmentError_(
-            f"tasks do not add up: SLURM_NTASKS={world} but tasks per node {per_node_expr!r} "
-            f"over {nnodes} node(s) make {sum(per_node)}")
+            f"tasks do not add up: {world_var}={world} but tasks per node {per_node_expr!r} "
+            f"({per_node_var}) over {nnodes} node(s) make {sum(per_node)}")
     if node_rank >= len(per_node):
         raise EnvironmentError_(f"SLURM_NODEID={node_rank} but the job has {len(per_node)} node(s)")
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    nodelist_var, nodelist = _pick(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     try:
         hosts = tuple(expand_hostlist(nodelist)) if nodelist else ()
     except ValueError as exc:
-        raise EnvironmentError_(f"SLURM_JOB_NODELIST: {exc}") from None
+        raise EnvironmentError_(f"{nodelist_var}: {exc}") from None
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    step_id = _first(env, "SLURM_STEP_ID", "SLURM_STEPID")
     return DistEnv(
         rank=_int(env, "SLURM_PROCID"),
         local_rank=_int(env, "SLURM_LOCALID", 0),
@@ -183,7 +198,7 @@ def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
         node_rank=node_rank,
         num_nodes=len(per_node),
         master_addr=env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1"),
-        master_port=_port(env, job_id),
+        master_port=_port(env, job_id, step_id),
         launcher=launcher,
         job_id=job_id,
         restart_count=_int(env, "SLURM_RESTART_COUNT", 0),

@@ -112,6 +112,33 @@ def test_inconsistent_environment_is_one_clear_error(environ: dict[str, str], me
     assert "\n" not in str(info.value)
 
 
+# A hand-written job script that runs two single-node steps side by side in a 2-node allocation
+# (`srun -N1 -n4 ... &` twice): the second step runs on gpu02. srun rewrites SLURM_NTASKS/NNODES/
+# TASKS_PER_NODE for the step, but SLURM_JOB_NODELIST stays the whole allocation.
+SECOND_STEP_ON_GPU02 = {
+    "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "4",
+    "SLURM_TASKS_PER_NODE": "4", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_STEP_NODELIST": "gpu02", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_JOB_ID": "500", "SLURM_STEP_ID": "1", "MASTER_PORT": "23456",
+}
+# `srun --preserve-env -N1 -n2` in an 8-task job: only the SLURM_STEP_* variables describe the step
+PRESERVE_ENV_STEP = {
+    "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "8",
+    "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_STEP_NODELIST": "gpu01", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "501", "SLURM_STEP_ID": "0",
+}
+
+
+@pytest.mark.parametrize("environ,expected", [
+    (SECOND_STEP_ON_GPU02, dict(world_size=4, local_world_size=4, master_addr="gpu02", hosts=("gpu02",))),
+    (PRESERVE_ENV_STEP, dict(world_size=2, local_world_size=2, master_addr="gpu01", num_nodes=1)),
+], ids=["second-step-on-gpu02", "srun-preserve-env"])
+def test_a_step_on_part_of_the_allocation(environ: dict[str, str], expected: dict) -> None:
+    env = DistEnv.from_environ(environ)
+    assert {key: getattr(env, key) for key in expected} == expected
+
+
 def test_master_port_derived_from_job_id_when_unset() -> None:
     a = DistEnv.from_environ(SRUN_1x4)
     b = DistEnv.from_environ({**SRUN_1x4, "SLURM_JOB_ID": "4243"})

@@ -9,7 +9,9 @@ from types import FrameType
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.env import DistEnv
+from hpcgpu.launch.exitcodes import EXIT_STOPPED
 from hpcgpu.runtime.preempt import stop_signals
+from hpcgpu.runtime.requeue import requeue, stop_reason
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import nccl_env
 
@@ -37,7 +39,10 @@ def run_command(spec: Spec, spec_path: Path) -> int:
     except PermissionError:
         raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
 
+    received: list[int] = []
+
     def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
         proc.send_signal(signum)  # the program decides how to checkpoint and stop
 
     previous = {s: signal.signal(s, forward) for s in stop_signals(spec)}
@@ -46,4 +51,12 @@ def run_command(spec: Spec, spec_path: Path) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
+    code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
+    if received:
+        # the program was told to stop (preemption/timeout): rank 0 requeues, capped, then its code
+        # passes through; a program that checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
+        reason = stop_reason(spec, env)
+        print(f"hpcgpu: {reason}: the program exited with code {code} after the stop signal", flush=True)
+        requeue(env, spec, reason)
+        return EXIT_STOPPED
+    return code

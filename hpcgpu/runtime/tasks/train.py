@@ -174,6 +174,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16)
         self.step = 0
+        self.last_lr = spec.train.lr
         self.start_step = 0
         self.tokens_seen = 0
         torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs by rank, reproducibly
@@ -228,6 +229,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self.last_lr = self.scheduler.get_last_lr()[0]  # the lr this step used, for the log
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += self.spec.train.global_batch_size * self.spec.data.seq_len
@@ -346,7 +348,7 @@ class StepLog:
         ms = dt * 1000 / steps
         tok_s = self.tokens_per_step * steps / dt if dt > 0 else 0.0
         mfu = tok_s * tr.flops_per_token / (self.peak * tr.world) if self.peak else None
-        lr = tr.scheduler.get_last_lr()[0]
+        lr = tr.last_lr
         self.metrics.write("train", step=tr.step, loss=loss, lr=lr, ms_per_step=ms, tokens_per_s=tok_s,
                            tokens=tr.tokens_seen, mfu=mfu)
         msg = (f"step {tr.step:>6}/{tr.spec.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
@@ -459,8 +461,7 @@ def set_cpu_threads() -> None:
 
 
 def run_train(spec: Spec, spec_path: Path) -> int:
-    from hpcgpu.runtime.requeue import (EXIT_STOPPED, is_finished, mark_finished, requeue,
-                                        requeue_after_crash, stop_reason)
+    from hpcgpu.runtime.requeue import EXIT_STOPPED, is_finished, mark_finished, requeue, stop_reason
 
     set_cpu_threads()
     with init(spec) as ctx:
@@ -484,9 +485,6 @@ def run_train(spec: Spec, spec_path: Path) -> int:
             save_final_model(ctx, tr)
             mark_finished(ctx.run_dir, ctx.env)
             metrics.write("end", step=tr.step, tokens=tr.tokens_seen)
-        except Exception:
-            requeue_after_crash(ctx.env, spec, ctx.run_dir)
-            raise
         finally:
             ctx.checkpoint.close()
             metrics.close()
