@@ -333,18 +333,24 @@ class StepLog:
         self.tokens_per_step = tr.spec.train.global_batch_size * tr.spec.data.seq_len
         self.last_step = tr.step
         self.last_time = time.perf_counter()
+        self.excluded_s = 0.0
 
-    def reset_clock(self) -> None:
-        """Time spent outside steps (eval, checkpoints) is not step time."""
-        self.last_time = time.perf_counter()
+    @contextlib.contextmanager
+    def not_step_time(self) -> Iterator[None]:
+        """Eval and checkpoint time is left out of ms/step and tokens/s."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded_s += time.perf_counter() - t0
 
     def log(self, loss_t: torch.Tensor) -> None:
         tr = self.tr
         loss = mean_over_ranks(loss_t)  # .item() synchronised the device: the clock below is real
         now = time.perf_counter()
         steps = max(1, tr.step - self.last_step)
-        dt = now - self.last_time
-        self.last_step, self.last_time = tr.step, now
+        dt = now - self.last_time - self.excluded_s
+        self.last_step, self.last_time, self.excluded_s = tr.step, now, 0.0
         ms = dt * 1000 / steps
         tok_s = self.tokens_per_step * steps / dt if dt > 0 else 0.0
         mfu = tok_s * tr.flops_per_token / (self.peak * tr.world) if self.peak else None
@@ -395,13 +401,14 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
             stop, time_due, async_busy = agree(ctx, ctx.stop_flag.is_set, ckpt.due_by_time(),
                                                not ckpt.pending_done())
             if ckpt.pending and not async_busy:
-                ckpt.finish_pending()  # every rank's async write ended: mark it complete now
+                with steplog.not_step_time():
+                    ckpt.finish_pending()  # every rank's async write ended: mark it complete now
             if stop:
                 save_checkpoint(ctx, tr, blocking=True)
                 return "stopped"
             if time_due:
-                save_checkpoint(ctx, tr)
-                steplog.reset_clock()
+                with steplog.not_step_time():
+                    save_checkpoint(ctx, tr)
             loss_t = tr.train_step()
             last = tr.step == t.max_steps
             if tr.step % t.log_every == 0 or tr.step == 1 or last:
@@ -409,11 +416,11 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
             if bar is not None:
                 bar.update(1)
             if t.eval_every and tr.step % t.eval_every == 0 and not last:
-                _log_eval(tr, metrics)
-                steplog.reset_clock()
+                with steplog.not_step_time():
+                    _log_eval(tr, metrics)
             if ckpt.due_by_steps(tr.step) and not last:
-                save_checkpoint(ctx, tr)
-                steplog.reset_clock()
+                with steplog.not_step_time():
+                    save_checkpoint(ctx, tr)
     finally:
         if bar is not None:
             bar.close()
