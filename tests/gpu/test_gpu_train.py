@@ -1,0 +1,120 @@
+"""CUDA only: nccl training on 2 GPUs, device binding under non-trivial CUDA_VISIBLE_DEVICES.
+
+Skipped where CUDA is absent (CI never has a GPU); run on a GPU machine with `pytest tests/gpu -m gpu`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
+]
+two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+REPO = Path(__file__).resolve().parents[2]
+TEXT = REPO / "configs" / "data" / "pydocs.txt"
+
+
+def submit(spec: dict, tmp: Path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    spec = {"runs_dir": str(tmp / "runs"), **spec}
+    path = tmp / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new", *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    run_dir = Path(proc.stderr.split("run dir ")[1].split()[0].rstrip(",")) if "run dir " in proc.stderr else tmp
+    return proc, run_dir
+
+
+def train_spec(gpus: int, steps: int = 30) -> dict:
+    return {
+        "name": "gputrain", "task": "train",
+        "resources": {"gpus": gpus, "cpus_per_gpu": 2},
+        "model": {"config": {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 256, "n_positions": 256,
+                             "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0}},
+        "data": {"train": str(TEXT), "seq_len": 256},
+        "train": {"global_batch_size": 32, "micro_batch_size": 8, "max_steps": steps, "lr": 1e-3,
+                  "warmup_steps": 5, "log_every": 1},
+        "checkpoint": {"every_steps": 10},
+    }
+
+
+@two_gpus
+def test_two_gpu_nccl_training(tmp_path):
+    proc, run_dir = submit(train_spec(2), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cuda:0 x 2 (ddp)" in proc.stdout and "bf16" in proc.stdout
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in train)  # the detected GPU's peak is known
+    assert (run_dir / "model" / "model.safetensors").exists()
+
+
+CALLABLE = '''
+import json, os, torch, torch.distributed as dist
+def main(ctx):
+    x = torch.ones(1, device=ctx.device) * (ctx.rank + 1)
+    dist.all_reduce(x)
+    props = torch.cuda.get_device_properties(ctx.device)
+    out = {"rank": ctx.rank, "device": str(ctx.device), "uuid": str(props.uuid), "sum": x.item(),
+           "backend": dist.get_backend(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    (ctx.run_dir / f"bind-{ctx.rank}.json").write_text(json.dumps(out))
+    return 0
+'''
+
+
+def physical_uuids() -> list[str]:
+    out = subprocess.run([sys.executable, "-c", "import torch, json; print(json.dumps([str(torch.cuda."
+                          "get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]))"],
+                         capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                              if k != "CUDA_VISIBLE_DEVICES"})
+    return json.loads(out.stdout)
+
+
+@two_gpus
+@pytest.mark.parametrize("visible", ["1,0"])
+def test_local_rank_binds_to_the_nth_visible_gpu(tmp_path, visible):
+    (tmp_path / "bindmod.py").write_text(CALLABLE)
+    spec = {"name": "bind", "task": "callable", "entry": "bindmod:main", "resources": {"gpus": 2},
+            "env": {"PYTHONPATH": str(tmp_path)}}
+    proc, run_dir = submit(spec, tmp_path, env={"CUDA_VISIBLE_DEVICES": visible})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    uuids = physical_uuids()
+    order = [int(i) for i in visible.split(",")]
+    for rank in (0, 1):
+        got = json.loads((run_dir / f"bind-{rank}.json").read_text())
+        assert got["backend"] == "nccl" and got["sum"] == 3.0
+        assert got["device"] == f"cuda:{rank}"
+        assert got["uuid"] == uuids[order[rank]]  # local rank N -> the N-th GPU in CUDA_VISIBLE_DEVICES
+
+
+@two_gpus
+def test_slurm_style_one_gpu_per_task(tmp_path):
+    """srun --gpus-per-task=1 gives each task only its own GPU: every rank uses cuda:0 of its view."""
+    (tmp_path / "bindmod.py").write_text(CALLABLE)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump({"name": "bind", "task": "callable", "entry": "bindmod:main",
+                                         "resources": {"gpus": 2}}))
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path), "HPCGPU_RUN_DIR": str(tmp_path),
+               "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
+               "SLURM_TASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
+               "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+               "CUDA_VISIBLE_DEVICES": str(1 - rank)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcgpu", "run", str(spec_path)], env=env))
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    uuids = physical_uuids()
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"bind-{rank}.json").read_text())
+        assert got["device"] == "cuda:0" and got["uuid"] == uuids[1 - rank] and got["sum"] == 3.0
