@@ -23,3 +23,16 @@ def write_spec(tmp_path: Path) -> Callable[..., Path]:
         return path
 
     return write
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_job_registry(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Jobs the tests submit go to a registry of their own, never the user's ~/.local/state one.
+
+    XDG_STATE_HOME (not HPCGPU_REGISTRY) because helpers that build a clean job environment drop
+    HPCGPU_* variables; tests that need their own registry set HPCGPU_REGISTRY, which wins.
+    """
+    import os
+
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    os.environ.pop("HPCGPU_REGISTRY", None)

@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("hpcgpu.cli.validate:validate", "Check a spec and print its resolved summary."),
     "sbatch": ("hpcgpu.cli.sbatch:sbatch", "Write a readable sbatch script for a spec."),
     "submit": ("hpcgpu.cli.submit:submit", "Submit a spec to SLURM or run it with the local executor."),
+    "status": ("hpcgpu.cli.jobs:status", "State, progress and nodes of a job (or of all active jobs)."),
+    "list": ("hpcgpu.cli.jobs:list_jobs", "Recent jobs from the registry, newest first."),
+    "logs": ("hpcgpu.cli.jobs:logs", "Print (or follow) a job's output."),
+    "cancel": ("hpcgpu.cli.jobs:cancel", "Cancel a job, an array task or a local job."),
     "run": ("hpcgpu.cli.run:run", "The in-job entrypoint (one process per GPU)."),
     "schema": ("hpcgpu.cli.schema:schema", "Print the JSON Schema of the spec (for editors)."),
 }

@@ -14,9 +14,14 @@ def gpu_request(spec: Spec) -> tuple[str, str]:
     return "gres", f"gpu:{r.gpu_type}:{r.gpus}" if r.gpu_type else f"gpu:{r.gpus}"
 
 
-def sbatch_options(spec: Spec, run_dir: Path) -> list[tuple[str, str | None]]:
-    """(option, value) pairs in the order they are rendered; value None means a bare flag."""
+def sbatch_options(spec: Spec, run_dir: Path, array: str | None = None) -> list[tuple[str, str | None]]:
+    """(option, value) pairs in the order they are rendered; value None means a bare flag.
+
+    array: a job array's index range (`0-9%4`); its tasks share one script, so SLURM's own log goes to
+    run_dir/slurm-<array job>_<task>.* until the script moves each task's output into its run dir.
+    """
     r, s = spec.resources, spec.slurm
+    log = "slurm-%A_%a" if array else "slurm-%j"
     opts: list[tuple[str, str | None]] = [
         ("job-name", spec.name),
         ("nodes", str(r.nodes)),
@@ -33,10 +38,12 @@ def sbatch_options(spec: Spec, run_dir: Path) -> list[tuple[str, str | None]]:
         if value:
             opts.append((key, value))
     opts += [
-        ("output", str(run_dir / "slurm-%j.out")),
-        ("error", str(run_dir / "slurm-%j.err")),
+        ("output", str(run_dir / f"{log}.out")),
+        ("error", str(run_dir / f"{log}.err")),
         ("signal", s.signal),
     ]
+    if array:
+        opts.append(("array", array))
     if s.requeue:
         opts.append(("requeue", None))
     else:

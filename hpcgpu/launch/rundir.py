@@ -5,6 +5,7 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import Callable
 
 from hpcgpu.spec import Spec, dump_spec
 
@@ -30,16 +31,25 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     os.replace(tmp, path)
 
 
-def find_unfinished_run(spec: Spec) -> Path | None:
+def submitted_to_slurm(run_dir: Path) -> bool:
+    """A run dir SLURM owns (`hpcgpu submit`/`sbatch`): SLURM's requeue resumes it, not a local run."""
+    return any(run_dir.glob("*_submission.sh")) or (run_dir / "job.sbatch").exists() \
+        or any(run_dir.glob("slurm-*.out"))
+
+
+def find_unfinished_run(spec: Spec, in_use: Callable[[Path], bool] = lambda p: False) -> Path | None:
     """The newest run dir of this spec's name whose resolved spec is identical and that has not
-    finished: running the same spec again resumes it (local executor)."""
+    finished: running the same spec again resumes it (local executor). Run dirs of SLURM jobs and
+    those `in_use` says a live job writes to are never taken."""
     base = Path(spec.runs_dir).expanduser() / spec.name
     if not base.is_dir():
         return None
     text = dump_spec(spec)
     for run_dir in sorted((p for p in base.iterdir() if p.is_dir()), reverse=True):
         spec_file = run_dir / "spec.yaml"
-        if (run_dir / "FINISHED").exists() or not spec_file.exists():
+        if (run_dir / "FINISHED").exists() or not spec_file.exists() or submitted_to_slurm(run_dir):
+            continue
+        if in_use(run_dir.resolve()):
             continue
         if spec_file.read_text() == text:
             return run_dir.resolve()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from string import Template
@@ -38,27 +39,71 @@ def env_exports(spec: Spec) -> dict[str, str]:
     return env
 
 
-def render_sbatch(spec: Spec, run_dir: Path, spec_path: Path, python: str | None = None,
-                  script_hint: str = "job.sbatch") -> str:
-    template = Template(resources.files("hpcgpu.launch").joinpath("templates/job.sbatch").read_text())
+@dataclass(frozen=True)
+class ArrayIndex:
+    """Where a job array's tasks find their specs: line (SLURM_ARRAY_TASK_ID + offset + 1) of tasks_file.
+
+    A sweep larger than MaxArraySize is split into several arrays over one index; each array's
+    task ids start at 0 again, hence the offset.
+    """
+
+    tasks_file: Path
+    offset: int = 0
+
+
+def _template(name: str) -> Template:
+    return Template(resources.files("hpcgpu.launch").joinpath(f"templates/{name}").read_text())
+
+
+def array_block(index: ArrayIndex) -> str:
+    """Shell lines that find this array task's spec and send its output to its own run dir."""
+    tasks_q = shlex.quote(str(index.tasks_file))
+    log = '"$run_dir/slurm-${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}'
+    return (
+        f"# --- array task: its resolved spec is line SLURM_ARRAY_TASK_ID+{index.offset}+1 of the sweep index ---\n"
+        f'spec_path=$(sed -n "$(( SLURM_ARRAY_TASK_ID + {index.offset} + 1 ))p" {tasks_q})\n'
+        f'if [ -z "$spec_path" ]; then echo "hpcgpu: array task $SLURM_ARRAY_TASK_ID is not in "{tasks_q} >&2; exit 1; fi\n'
+        'run_dir=$(dirname "$spec_path")\n'
+        "# SLURM's --output is one pattern for the whole array: each task logs into its own run dir\n"
+        f'exec >>{log}.out" 2>>{log}.err"\n\n'
+    )
+
+
+def render_body(spec: Spec, run_dir: Path, spec_path: Path, python: str | None = None,
+                array: ArrayIndex | None = None) -> str:
+    """The script after the #SBATCH lines: setup, environment, rendezvous, srun of `hpcgpu run`.
+
+    Shared by `hpcgpu sbatch` and `hpcgpu submit` (submitit writes the #SBATCH lines there), so both
+    paths run the same commands with the same environment and signal forwarding.
+    """
     r = spec.resources
     user_port = spec.env.get("MASTER_PORT")
-    return template.substitute(
-        name=spec.name,
-        task=spec.task,
-        world=spec.world_size,
-        nodes=r.nodes,
+    return _template("job-body.sh").substitute(
+        array_block=array_block(array) if array else "",
         gpus=r.gpus,
         cpus=r.cpus_per_gpu,
-        script_hint=shlex.quote(re.sub(r"[\x00-\x1f]", "?", script_hint)),
-        spec_path=spec_path,
-        spec_path_q=shlex.quote(str(spec_path)),
-        run_dir_q=shlex.quote(str(run_dir)),
-        directives=render_directives(sbatch_options(spec, run_dir)),
+        spec_path_q='"$spec_path"' if array else shlex.quote(str(spec_path)),
+        run_dir_q='"$run_dir"' if array else shlex.quote(str(run_dir)),
         setup="\n".join(spec.slurm.setup) if spec.slurm.setup else "# (none)",
         env_lines="\n".join(f"export {k}={shlex.quote(v)}" for k, v in env_exports(spec).items()),
         # from the job id, not from the submitting shell: sbatch exports the caller's environment
         master_port=shlex.quote(user_port) if user_port else PORT_SHELL,
         python=shlex.quote(python or sys.executable),
         signal=signal_name(spec),
+    )
+
+
+def render_sbatch(spec: Spec, run_dir: Path, spec_path: Path, python: str | None = None,
+                  script_hint: str = "job.sbatch") -> str:
+    r = spec.resources
+    return _template("job.sbatch").substitute(
+        name=spec.name,
+        task=spec.task,
+        world=spec.world_size,
+        nodes=r.nodes,
+        gpus=r.gpus,
+        script_hint=shlex.quote(re.sub(r"[\x00-\x1f]", "?", script_hint)),
+        spec_path=spec_path,
+        directives=render_directives(sbatch_options(spec, run_dir)),
+        body=render_body(spec, run_dir, spec_path, python),
     )

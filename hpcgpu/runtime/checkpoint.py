@@ -79,12 +79,14 @@ _CPU_GROUP: Any = None
 
 
 def _cpu_group() -> Any:
-    """A gloo group for checkpoint coordination (async saves must not share NCCL's stream)."""
+    """A group of our own for checkpoint coordination. An async save runs its collectives from a
+    background thread; sharing the training group would interleave them with the training loop's
+    all-reduces (a deadlock on gloo, a stream clash on NCCL). Created collectively on first use."""
     global _CPU_GROUP
     if not _dist_on():
         return None
     if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        _CPU_GROUP = dist.new_group(backend="gloo")
     return _CPU_GROUP
 
 
@@ -105,6 +107,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._pending: tuple[Future, Path, int, dict[str, Any]] | None = None
         self.last_blocking_s = 0.0
+        self._stager: Any = None
 
     # ------------------------------------------------------------------ when
     def due_by_steps(self, step: int) -> bool:
@@ -140,7 +143,9 @@ class CheckpointManager:
         torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
         meta = dict(meta, step=step, world_size=self.world_size, time=time.time())
         if use_async:
-            fut = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group())
+            resp = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group(),
+                                  **self._stager_kwargs())
+            fut = getattr(resp, "upload_completion", resp)  # newer torch returns a response pair
             self._pending = (fut, tmp, step, meta)  # type: ignore[assignment]
         else:
             dcp.save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group())
@@ -149,6 +154,22 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
+
+    def _stager_kwargs(self) -> dict[str, Any]:
+        """Stage GPU tensors into pinned host buffers that are kept between saves: the training
+        loop waits only for a fast device-to-host copy, the write runs in the background."""
+        if self._stager is None:
+            self._stager = False
+            if torch.cuda.is_available():
+                try:
+                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                    self._stager = DefaultStager(StagingOptions(
+                        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                        use_non_blocking_copy=True))
+                except (ImportError, TypeError):  # an older torch: its default stager
+                    self._stager = False
+        return {"async_stager": self._stager} if self._stager else {}
 
     def finish_pending(self) -> None:
         """Collective: wait for an async save and mark it complete."""
@@ -222,6 +243,9 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
+        if self._stager and hasattr(self._stager, "close"):
+            self._stager.close()
+        self._stager = None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -56,6 +56,13 @@ def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
     target = env.requeue_target
     if not target:
         return False
+    state = job_state(target)
+    if state in ("CANCELLED", "COMPLETING"):
+        # scancel sends SIGTERM too: the job shows COMPLETING (then CANCELLED) while it ends, whereas
+        # a preemption or time-limit signal comes while it is RUNNING
+        log.info(f"{reason}: the job is being cancelled ({state}); not requeuing")
+        return False
+        return False
     proc = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning(f"{reason}: `scontrol requeue {target}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -63,6 +70,19 @@ def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
     log.info(f"{reason}: requeued job {target} (restart {env.restart_count + 1} of at most "
              f"{spec.slurm.max_requeues})")
     return True
+
+
+def job_state(target: str) -> str | None:
+    """The job's state as the controller sees it now (None if it cannot be read)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", target], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for field in out.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return None
 
 
 def crash_retries_file(run_dir: Path) -> Path:

@@ -55,10 +55,14 @@ class Slurm:
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
+        self.registry = tmp / "jobs.db"  # each test its own job registry
+
+    def env(self, **more: str) -> dict[str, str]:
+        return {**os.environ, "HPCGPU_REGISTRY": str(self.registry), **more}
 
     def hpcgpu(self, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
         proc = subprocess.run([sys.executable, "-m", "hpcgpu", *args], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, **(env or {})})
+                              timeout=120, env=self.env(**(env or {})))
         if check and proc.returncode != 0:
             raise AssertionError(f"hpcgpu {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -97,6 +101,33 @@ class Slurm:
             time.sleep(0.5)
         subprocess.run(["scancel", job_id])
         raise AssertionError(f"job {job_id} did not reach {states} in {timeout}s: {info}")
+
+    def submit(self, spec: Path, *args: str) -> tuple[str, Path, float]:
+        """hpcgpu submit (to this cluster) -> (job id, run dir, seconds it took to return)."""
+        t0 = time.perf_counter()
+        out = self.hpcgpu("submit", str(spec), *args).stdout
+        seconds = time.perf_counter() - t0
+        job_id = re.search(r"^job\s+(\d+)", out, re.M).group(1)  # type: ignore[union-attr]
+        run_dir = Path(re.search(r"^run dir\s+(\S+)", out, re.M).group(1))  # type: ignore[union-attr]
+        return job_id, run_dir, seconds
+
+    def status(self, job: str) -> dict[str, Any]:
+        return json.loads(self.hpcgpu("status", job, "--json").stdout)
+
+    def wait_status(self, job: str, timeout: float = 240, states: set[str] = TERMINAL) -> tuple[dict, list[str]]:
+        """Poll `hpcgpu status JOB --json` until its state is in `states` -> (last view, states seen)."""
+        deadline = time.monotonic() + timeout
+        seen: list[str] = []
+        view: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            view = self.status(job)
+            if not seen or seen[-1] != view["state"]:
+                seen.append(view["state"])
+            if view["state"] in states:
+                return view, seen
+            time.sleep(0.5)
+        subprocess.run(["scancel", job.split("_")[0]])
+        raise AssertionError(f"job {job} did not reach {states} in {timeout}s: {view}")
 
     def wait_for(self, predicate: Any, timeout: float = 120, what: str = "condition") -> None:
         deadline = time.monotonic() + timeout

@@ -97,3 +97,20 @@ def test_requeue_cap_stops_a_job_signalled_over_and_over(slurm):
     stops = [r for r in slurm.metrics(run_dir) if r["kind"] == "stop"]
     assert len(stops) == 2 and not (run_dir / "FINISHED").exists()
     assert (run_dir / "checkpoints" / f"step-{stops[-1]['step']:08d}" / "COMPLETE").exists()
+
+
+def test_plain_scancel_is_not_taken_for_a_preemption(slurm):
+    """scancel sends SIGTERM, which also means 'checkpoint and stop'; a cancelled job must stay cancelled."""
+    spec = slurm.write_spec(slurm.tiny_train(max_steps=5000, log_every=5))
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    slurm.wait_for(lambda: len(slurm.loss_log(run_dir)) >= 3, timeout=180, what="first steps")
+    subprocess.run(["scancel", job], check=True)
+    info = slurm.wait(job, timeout=120)
+    assert info["JobState"] == "CANCELLED"
+    import time
+
+    time.sleep(15)  # a requeued job would be back by now (cred_expire 10 s + sched_interval 2 s)
+    info = slurm.job(job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0"
+    assert "not requeuing" in slurm.job_output(run_dir, job)

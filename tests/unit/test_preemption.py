@@ -207,3 +207,18 @@ def test_command_task_gets_the_signal_and_a_checkpoint_dir(tmp_path):
     assert proc.returncode == 75, err
     got = sorted(p.read_text() for p in (tmp_path / "runs").rglob("rank*.txt"))
     assert got == [str(int(signal.SIGUSR2))] * 2
+
+
+def test_async_checkpoints_resume_exactly(tmp_path, baseline):
+    """checkpoint.async: the write runs in the background and is marked complete only once every
+    rank's write ended; a stop waits for it, and the resumed run is still the uninterrupted one."""
+    spec = write(tmp_path, spec_doc(tmp_path / "runs", **{"async": True}))
+    first = submit(spec, "--new", env={"HPCGPU_SIGNAL_AT": "9"})
+    assert first.returncode == 75, first.stderr[-2000:]
+    run_dir = run_dir_of(first)
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert done == ["step-00000004", "step-00000008", "step-00000009"]
+    assert all((run_dir / "checkpoints" / d / "COMPLETE").exists() for d in done)
+    second = submit(spec)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert_same_result(run_dir, baseline)

@@ -68,6 +68,27 @@ def resolve_strategy(spec: Spec, world: int) -> str:
     return s
 
 
+# ---------------------------------------------------------------- data on the device
+
+DEVICE_TOKENS_MAX_BYTES = 1 << 30
+
+
+def place_tokens(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Keep the token blocks on the GPU when they are small: no host-to-device copy in the step."""
+    if device.type == "cuda" and blocks.numel() * blocks.element_size() <= DEVICE_TOKENS_MAX_BYTES:
+        return blocks.to(device)
+    return blocks
+
+
+def fetch_batch(blocks: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if blocks.device == device:
+        return blocks[idx.to(device, non_blocking=True)]
+    batch = blocks[idx]
+    if device.type == "cuda":
+        batch = batch.pin_memory()  # an asynchronous copy: the CPU keeps queueing the step's kernels
+    return batch.to(device, non_blocking=True)
+
+
 # ---------------------------------------------------------------- model
 
 def build_model(spec: Spec, seed: int) -> torch.nn.Module:
@@ -163,6 +184,7 @@ class Trainer:
                                       self.world, self.micro)
         self.raw_model = build_model(spec, t.seed).to(self.device)
         self._check_vocab()
+        self.train_blocks = place_tokens(self.train_blocks, self.device)
         self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len)
         self.model: torch.nn.Module = self.raw_model
         if resolve_compile(spec, self.device):
@@ -207,7 +229,7 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
-        batch = self.train_blocks[idx].to(self.device, non_blocking=True)
+        batch = fetch_batch(self.train_blocks, idx, self.device)
         with self._autocast():
             return self.model(input_ids=batch, labels=batch).loss
 
@@ -314,12 +336,17 @@ def inject_signal(ctx: Context, tr: Trainer) -> None:
         os.kill(os.getpid(), getattr(_signal, f"SIG{signal_name(ctx.spec)}"))
 
 
-def agree(ctx: Context, *flags: bool) -> list[bool]:
-    """One small all-reduce (max) per step: every rank sees the same stop/save decisions."""
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=ctx.device)
+def step_boundary(ctx: Context, loss_t: torch.Tensor, *flags: bool) -> tuple[float, bool, bool, bool]:
+    """All-reduce (sum) of [loss, flags...]: the mean loss over ranks, and each flag set on any rank.
+
+    Reading the result synchronises with the device, so the step clock that follows is real time.
+    """
+    t = torch.cat([loss_t.detach().float().reshape(1),
+                   torch.tensor([1.0 if f else 0.0 for f in flags], device=loss_t.device)])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v > 0) for v in t.tolist()]
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    values = t.tolist()
+    return (values[0] / ctx.world_size, *(v > 0 for v in values[1:]))  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- the loop
@@ -344,9 +371,8 @@ class StepLog:
         finally:
             self.excluded_s += time.perf_counter() - t0
 
-    def log(self, loss_t: torch.Tensor) -> None:
+    def log(self, loss: float) -> None:
         tr = self.tr
-        loss = mean_over_ranks(loss_t)  # .item() synchronised the device: the clock below is real
         now = time.perf_counter()
         steps = max(1, tr.step - self.last_step)
         dt = now - self.last_time - self.excluded_s
@@ -397,28 +423,26 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
     steplog = StepLog(tr, metrics, bar)
     try:
         while tr.step < t.max_steps:
+            loss_t = tr.train_step()
             inject_signal(ctx, tr)
-            stop, time_due, async_busy = agree(ctx, ctx.stop_flag.is_set, ckpt.due_by_time(),
-                                               not ckpt.pending_done())
+            # one small collective per step carries the loss for the log and every rank's flags
+            loss, stop, time_due, async_busy = step_boundary(
+                ctx, loss_t, ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done())
+            last = tr.step == t.max_steps
+            if tr.step % t.log_every == 0 or tr.step == 1 or last:
+                steplog.log(loss)
+            if bar is not None:
+                bar.update(1)
             if ckpt.pending and not async_busy:
                 with steplog.not_step_time():
                     ckpt.finish_pending()  # every rank's async write ended: mark it complete now
             if stop:
                 save_checkpoint(ctx, tr, blocking=True)
                 return "stopped"
-            if time_due:
-                with steplog.not_step_time():
-                    save_checkpoint(ctx, tr)
-            loss_t = tr.train_step()
-            last = tr.step == t.max_steps
-            if tr.step % t.log_every == 0 or tr.step == 1 or last:
-                steplog.log(loss_t)
-            if bar is not None:
-                bar.update(1)
             if t.eval_every and tr.step % t.eval_every == 0 and not last:
                 with steplog.not_step_time():
                     _log_eval(tr, metrics)
-            if ckpt.due_by_steps(tr.step) and not last:
+            if (ckpt.due_by_steps(tr.step) or time_due) and not last:
                 with steplog.not_step_time():
                     save_checkpoint(ctx, tr)
     finally:

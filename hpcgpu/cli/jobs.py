@@ -1,0 +1,222 @@
+"""Submitted jobs: `hpcgpu status [JOB]`, `list`, `logs JOB`, `cancel JOB` (one family, one module).
+
+Host side only: the registry (sqlite3) and one scheduler call per refresh; nothing heavy loads here.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hpcgpu.errors import UsageError
+from hpcgpu.launch.jobs import cancel as cancel_job
+from hpcgpu.launch.jobs import is_final, last_progress, refresh
+from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
+
+job_argument = click.argument("job_ref", metavar="JOB")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+# --- views ----------------------------------------------------------------------------------------
+
+def elapsed_of(job: JobRecord, unit: JobRecord | TaskRecord) -> str:
+    if unit.elapsed or job.executor == "slurm":
+        return unit.elapsed
+    seconds = int((job.ended or time.time()) - job.submitted)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
+    progress = last_progress(unit.run_dir)
+    return {
+        "id": unit.job_id if isinstance(unit, JobRecord) else unit.id,
+        "state": unit.state, "reason": unit.reason, "elapsed": elapsed_of(job, unit), "nodes": unit.nodes,
+        "restarts": unit.restarts, "exit_code": unit.exit_code, "step": progress.step, "loss": progress.loss,
+        "run_dir": unit.run_dir,
+    }
+
+
+def job_view(job: JobRecord) -> dict[str, Any]:
+    view = unit_view(job, job)
+    view.update({"name": job.name, "executor": job.executor, "spec": job.spec,
+                 "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted))})
+    if job.is_array:
+        view["tasks"] = [dict(unit_view(job, t), values=t.values) for t in job.tasks]
+        view["step"] = view["loss"] = None
+    view["logs"] = [str(p) for p in log_files(job, None)] if not job.is_array else []
+    return view
+
+
+def fmt_loss(loss: Any) -> str:
+    return f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
+
+
+def state_text(view: dict[str, Any]) -> str:
+    if view["reason"] and view["state"] in ("PENDING", "REQUEUED"):
+        return f"{view['state']} ({view['reason']})"
+    return view["state"]
+
+
+def print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def print_jobs(views: list[dict[str, Any]]) -> None:
+    rows = [["JOB", "NAME", "EXECUTOR", "STATE", "ELAPSED", "NODES", "RESTARTS", "STEP", "LOSS", "RUN DIR"]]
+    for v in views:
+        state = state_text(v)
+        if "tasks" in v:
+            state = f"{state} [{len(v['tasks'])} tasks]"
+        rows.append([v["id"], v["name"], v["executor"], state, v["elapsed"] or "-", v["nodes"] or "-",
+                     str(v["restarts"]), "-" if v["step"] is None else str(v["step"]), fmt_loss(v["loss"]),
+                     v["run_dir"]])
+    print_table(rows)
+
+
+def print_job(view: dict[str, Any]) -> None:
+    for label, value in (("job", f"{view['id']} ({view['executor']})"), ("name", view["name"]),
+                         ("state", state_text(view) + (f", exit code {view['exit_code']}"
+                                                       if view["exit_code"] not in (None, 0) else "")),
+                         ("elapsed", view["elapsed"] or "-"), ("nodes", view["nodes"] or "-"),
+                         ("restarts", view["restarts"]), ("submitted", view["submitted"]),
+                         ("spec", view["spec"]), ("run dir", view["run_dir"])):
+        click.echo(f"{label:<10}{value}")
+    if "tasks" not in view:
+        click.echo(f"{'step':<10}{'-' if view['step'] is None else view['step']}  loss {fmt_loss(view['loss'])}")
+        for path in view["logs"]:
+            click.echo(f"{'log':<10}{path}")
+        return
+    rows = [["TASK", "STATE", "ELAPSED", "NODES", "RESTARTS", "STEP", "LOSS", "VALUES", "RUN DIR"]]
+    for t in view["tasks"]:
+        rows.append([t["id"], state_text(t), t["elapsed"] or "-", t["nodes"] or "-", str(t["restarts"]),
+                     "-" if t["step"] is None else str(t["step"]), fmt_loss(t["loss"]),
+                     " ".join(f"{k}={v}" for k, v in t["values"].items()), t["run_dir"]])
+    click.echo("")
+    print_table(rows)
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("job_ref", metavar="[JOB]", required=False)
+@json_option
+def status(job_ref: str | None, as_json: bool) -> None:
+    """State, elapsed time, nodes, restarts and last step/loss of JOB (or of every active job)."""
+    registry = Registry()
+    if job_ref:
+        job, task = registry.find(job_ref)
+        refresh(registry, [job])
+        view = job_view(job)
+        if task is not None:
+            view = dict(view, **next(t for t in view["tasks"] if t["id"] == task.id))
+            view.pop("tasks")
+            view["logs"] = [str(p) for p in log_files(job, task)]
+        if as_json:
+            click.echo(json.dumps(view, indent=2))
+        else:
+            print_job(view)
+        return
+    jobs = [j for j in registry.all() if not is_final(j.state)]
+    show_jobs(registry, jobs, as_json, "no active jobs (`hpcgpu list` shows the finished ones too)")
+
+
+@click.command(name="list")
+@click.option("-n", "limit", type=click.IntRange(min=1), default=20, show_default=True, help="How many jobs.")
+@click.option("--all", "show_all", is_flag=True, help="Every job in the registry.")
+@json_option
+def list_jobs(limit: int, show_all: bool, as_json: bool) -> None:
+    """The most recent jobs, newest first (states refreshed in one scheduler call)."""
+    registry = Registry()
+    jobs = registry.all() if show_all else registry.recent(limit)
+    show_jobs(registry, jobs, as_json, f"no jobs in {registry.path}")
+
+
+def show_jobs(registry: Registry, jobs: list, as_json: bool, empty: str) -> None:
+    """Refresh the jobs' states in one scheduler call, then print them as a table or JSON."""
+    refresh(registry, jobs)
+    views = [job_view(j) for j in jobs]
+    if as_json:
+        click.echo(json.dumps(views, indent=2))
+    elif views:
+        print_jobs(views)
+    else:
+        click.echo(empty)
+
+
+def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
+    if job.executor == "local":
+        run_dir = Path(task.run_dir if task else job.run_dir)
+        return [run_dir / "logs" / f"rank-{rank or 0}.log"]
+    if rank is not None:
+        raise UsageError("--rank: a SLURM job writes all its ranks to one slurm-<id>.out/.err "
+                         "(rank 0 logs progress; other ranks log as [rank N]); --rank is for local jobs")
+    if task is not None:
+        run_dir, stem = Path(task.run_dir), f"slurm-{task.id}"
+    else:
+        run_dir, stem = Path(job.run_dir), f"slurm-{job.job_id}"
+    return [run_dir / f"{stem}.out", run_dir / f"{stem}.err"]
+
+
+@click.command()
+@job_argument
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the job ends (Ctrl-C stops).")
+@click.option("--rank", type=click.IntRange(min=0), default=None, help="Local jobs: this rank's log (default 0).")
+def logs(job_ref: str, follow: bool, rank: int | None) -> None:
+    """Print JOB's output: slurm-<id>.out/.err in its run dir, or a local job's logs/rank-N.log."""
+    registry = Registry()
+    job, task = registry.find(job_ref)
+    if job.is_array and task is None:
+        raise UsageError(f"job {job.job_id} is an array of {len(job.tasks)} tasks: name one, "
+                         f"e.g. hpcgpu logs {job.tasks[0].id}")
+    files = log_files(job, task, rank)
+    if not any(p.exists() for p in files) and not follow:
+        state = (task or job).state
+        raise UsageError(f"no log yet for {job_ref} ({state}): expected {files[0]}")
+    offsets = {p: 0 for p in files}
+    try:
+        print_new(offsets)
+        while follow:
+            refresh(registry, [job])
+            unit = job.task(task.id) if task else job
+            if unit is not None and is_final(unit.state):
+                time.sleep(0.5)  # the last lines may land just after SLURM records the end
+                print_new(offsets)
+                return
+            for _ in range(4):
+                time.sleep(0.5)
+                print_new(offsets)
+    except KeyboardInterrupt:
+        return
+
+
+def print_new(offsets: dict[Path, int]) -> None:
+    """Print what each log gained since the last call (a stderr file under a header, like tail)."""
+    for path, offset in offsets.items():
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:
+            continue
+        if not data:
+            continue
+        offsets[path] = offset + len(data)
+        if path.suffix == ".err" and offset == 0:
+            click.echo(f"==> {path.name} <==", err=False)
+        sys.stdout.write(data.decode(errors="replace"))
+        sys.stdout.flush()
+
+
+@click.command()
+@job_argument
+def cancel(job_ref: str) -> None:
+    """Cancel JOB: a SLURM job, one array task (123_4), a whole array (123) or a local job."""
+    registry = Registry()
+    job, task = registry.find(job_ref)
+    click.echo(cancel_job(registry, job, task, job_ref))

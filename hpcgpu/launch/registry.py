@@ -1,0 +1,252 @@
+"""The job registry: every submission (SLURM or local) in one SQLite file.
+
+Where: $HPCGPU_REGISTRY, else ${XDG_STATE_HOME:-~/.local/state}/hpcgpu/jobs.db.
+
+Many `hpcgpu submit` processes may write at once (a shell loop, a sweep script): the database runs
+in WAL mode with a busy timeout, and every write is one `BEGIN IMMEDIATE` transaction, so writers
+queue instead of failing and no row is lost. SQLite's WAL needs a local file system (not NFS).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+from hpcgpu.errors import HpcgpuError
+
+BUSY_TIMEOUT_MS = 60_000
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    key        INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id     TEXT NOT NULL,             -- SLURM job id (an array's job id), or local-<key>
+    name       TEXT NOT NULL,
+    spec       TEXT NOT NULL,             -- the spec file as given
+    run_dir    TEXT NOT NULL,             -- the run dir (the sweep dir of an array)
+    executor   TEXT NOT NULL,             -- slurm | local
+    tasks      TEXT NOT NULL DEFAULT '[]',-- array layout: [{id, run_dir, values, state, ...}]
+    submitted  REAL NOT NULL,
+    state      TEXT NOT NULL,
+    reason     TEXT NOT NULL DEFAULT '',
+    restarts   INTEGER NOT NULL DEFAULT 0,
+    nodes      TEXT NOT NULL DEFAULT '',
+    elapsed    TEXT NOT NULL DEFAULT '',
+    exit_code  INTEGER,
+    pid        INTEGER,                   -- local executor process
+    pid_start  TEXT,                      -- its start time, so a reused pid is never signalled
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    ended      REAL,
+    updated    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_job_id ON jobs (job_id);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
+"""
+
+
+def registry_path() -> Path:
+    explicit = os.environ.get("HPCGPU_REGISTRY")
+    if explicit:
+        return Path(explicit).expanduser()
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "hpcgpu" / "jobs.db"
+
+
+@dataclass
+class TaskRecord:
+    """One array task: its id (`123_4`), run dir, swept values and last known state."""
+
+    id: str
+    run_dir: str
+    values: dict[str, Any] = field(default_factory=dict)
+    state: str = "PENDING"
+    reason: str = ""
+    restarts: int = 0
+    nodes: str = ""
+    elapsed: str = ""
+    exit_code: int | None = None
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    name: str
+    spec: str
+    run_dir: str
+    executor: str
+    state: str = "PENDING"
+    tasks: list[TaskRecord] = field(default_factory=list)
+    submitted: float = field(default_factory=time.time)
+    reason: str = ""
+    restarts: int = 0
+    nodes: str = ""
+    elapsed: str = ""
+    exit_code: int | None = None
+    pid: int | None = None
+    pid_start: str | None = None
+    cancel_requested: bool = False
+    ended: float | None = None
+    updated: float = field(default_factory=time.time)
+    key: int | None = None
+
+    @property
+    def is_array(self) -> bool:
+        return bool(self.tasks)
+
+    def task(self, task_id: str) -> TaskRecord | None:
+        return next((t for t in self.tasks if t.id == task_id), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_COLUMNS = [f.name for f in fields(JobRecord) if f.name != "key"]
+
+
+def _to_row(job: JobRecord) -> dict[str, Any]:
+    row = {name: getattr(job, name) for name in _COLUMNS}
+    row["tasks"] = json.dumps([asdict(t) for t in job.tasks])
+    row["cancel_requested"] = int(job.cancel_requested)
+    return row
+
+
+def _from_row(row: sqlite3.Row) -> JobRecord:
+    data = dict(row)
+    data["tasks"] = [TaskRecord(**t) for t in json.loads(data["tasks"] or "[]")]
+    data["cancel_requested"] = bool(data["cancel_requested"])
+    return JobRecord(**data)
+
+
+class Registry:
+    def __init__(self, path: Path | None = None):
+        self.path = path or registry_path()
+        self._db: sqlite3.Connection | None = None
+
+    # --- connection -------------------------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        if self._db is not None:
+            return self._db
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+                self._create(db)
+        except (sqlite3.Error, OSError) as exc:
+            raise HpcgpuError(f"job registry {self.path}: {exc} (set HPCGPU_REGISTRY to a writable file)") from None
+        self._db = db
+        return db
+
+    @staticmethod
+    def _create(db: sqlite3.Connection) -> None:
+        # WAL: readers never block the writer; switching needs a moment alone with the file,
+        # which the busy timeout waits for when many first submissions race.
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken up front (BEGIN IMMEDIATE) so concurrent writers queue."""
+        db = self._connect()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise HpcgpuError(f"job registry {self.path}: {exc}") from None
+
+    def _write(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        with self._transaction() as db:
+            return db.execute(sql, params)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    # --- writes -----------------------------------------------------------------------------------
+    def add(self, job: JobRecord) -> JobRecord:
+        """Insert a job; a local job without an id gets `local-<key>` in the same transaction."""
+        row = _to_row(job)
+        names = ", ".join(row)
+        marks = ", ".join(f":{n}" for n in row)
+        with self._transaction() as db:
+            key = db.execute(f"INSERT INTO jobs ({names}) VALUES ({marks})", row).lastrowid
+            if not job.job_id:
+                job.job_id = f"local-{key}"
+                db.execute("UPDATE jobs SET job_id = ? WHERE key = ?", (job.job_id, key))
+        job.key = key
+        return job
+
+    def save(self, job: JobRecord) -> None:
+        """Write back a job's mutable fields (state, tasks, ...) after a refresh."""
+        assert job.key is not None
+        job.updated = time.time()
+        row = _to_row(job)
+        sets = ", ".join(f"{n} = :{n}" for n in row)
+        self._write(f"UPDATE jobs SET {sets} WHERE key = :key", {**row, "key": job.key})
+
+    def update(self, job: JobRecord, **changes: Any) -> None:
+        for name, value in changes.items():
+            setattr(job, name, value)
+        self.save(job)
+
+    # --- reads ------------------------------------------------------------------------------------
+    def _select(self, where: str = "", params: Any = (), limit: int | None = None) -> list[JobRecord]:
+        db = self._connect()
+        sql = f"SELECT * FROM jobs {where} ORDER BY key DESC" + (f" LIMIT {int(limit)}" if limit else "")
+        try:
+            return [_from_row(r) for r in db.execute(sql, params)]
+        except sqlite3.Error as exc:
+            raise HpcgpuError(f"job registry {self.path}: {exc}") from None
+
+    def find(self, ref: str) -> tuple[JobRecord, TaskRecord | None]:
+        """A job by the id the user typed: `123`, `123_4` (an array task) or `local-7`.
+
+        SLURM reuses ids after a controller reset: the newest submission with that id wins.
+        """
+        ref = ref.strip()
+        rows = self._select("WHERE job_id = ?", (ref,), limit=1)
+        if rows:
+            return rows[0], None
+        base, _, index = ref.partition("_")
+        if index:
+            for job in self._select("WHERE job_id = ? OR tasks LIKE ?", (base, f'%"{ref}"%'), limit=5):
+                task = job.task(ref)
+                if task is not None:
+                    return job, task
+        raise HpcgpuError(f"no job {ref!r} in the registry {self.path} (`hpcgpu list` shows the known ones)")
+
+    def with_run_dir(self, run_dir: str) -> list[JobRecord]:
+        return self._select("WHERE run_dir = ?", (run_dir,))
+
+    def recent(self, limit: int = 20) -> list[JobRecord]:
+        return self._select(limit=limit)
+
+    def all(self) -> list[JobRecord]:
+        return self._select()
+
+    def count(self) -> int:
+        return int(self._connect().execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
+
+    def __iter__(self) -> Iterator[JobRecord]:
+        return iter(self.all())

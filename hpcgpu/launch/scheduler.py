@@ -1,0 +1,223 @@
+"""Scheduler queries: what the cluster has (sinfo), where jobs are (squeue), cancelling (scancel).
+
+Each function makes at most one scheduler call, whatever the number of jobs: many users polling
+one job at a time is what overloads a shared slurmctld.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+from hpcgpu.errors import SchedulerError
+
+QUERY_TIMEOUT_S = 30
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+                          "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED", "SPECIAL_EXIT"})
+
+
+def run_scheduler(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S)
+    except FileNotFoundError:
+        raise SchedulerError(f"{argv[0]} not found: is this a SLURM login node? "
+                             "(--executor local runs jobs here)") from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"`{' '.join(argv[:2])}` did not answer in {QUERY_TIMEOUT_S} s: "
+                             "is slurmctld up?") from None
+
+
+def one_line(text: str) -> str:
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+# --- what the cluster has -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    partition: str
+    cpus: int
+    mem_mb: int
+    gpus: dict[str, int]  # GPU type ("" when untyped) -> count
+    state: str
+    time_limit_s: int | None  # the partition's MaxTime; None when unlimited
+
+
+@dataclass
+class Cluster:
+    nodes: list[Node] = field(default_factory=list)
+    default_partition: str | None = None
+
+    @property
+    def partitions(self) -> list[str]:
+        return list(dict.fromkeys(n.partition for n in self.nodes))
+
+    def in_partition(self, partition: str) -> list[Node]:
+        return [n for n in self.nodes if n.partition == partition]
+
+
+SINFO_FORMAT = "%N|%P|%c|%m|%G|%T|%l"
+
+
+def read_cluster() -> Cluster:
+    """One `sinfo` call: every node of every partition, with CPUs, memory, GPUs and time limits."""
+    done = run_scheduler(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])
+    if done.returncode != 0:
+        raise SchedulerError(f"sinfo failed: {one_line(done.stderr) or done.returncode}")
+    return parse_sinfo(done.stdout)
+
+
+def parse_sinfo(text: str) -> Cluster:
+    cluster = Cluster()
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 7:
+            continue
+        name, partition, cpus, mem, gres, state, limit = parts
+        if partition.endswith("*"):
+            partition = partition[:-1]
+            cluster.default_partition = partition
+        cluster.nodes.append(Node(name, partition, _int(cpus), _int(mem), parse_gres(gres), state,
+                                  parse_duration(limit)))
+    return cluster
+
+
+def _int(text: str) -> int:
+    m = re.match(r"\d+", text.strip())
+    return int(m.group(0)) if m else 0
+
+
+def parse_gres(text: str) -> dict[str, int]:
+    """`gpu:a100:4(S:0-1),gpu:2,shard:8` -> {"a100": 4, "": 2}; `(null)` -> {}."""
+    out: dict[str, int] = {}
+    for item in re.split(r",(?![^()]*\))", text):
+        item = re.sub(r"\(.*?\)", "", item).strip()
+        parts = item.split(":")
+        if parts[0] != "gpu" or len(parts) < 2:
+            continue
+        kind = parts[1] if len(parts) > 2 else ""
+        count = _int(parts[-1])
+        out[kind] = out.get(kind, 0) + count
+    return out
+
+
+def parse_duration(text: str) -> int | None:
+    """SLURM times (`infinite`, `1-00:00:00`, `30:00`, `5`) -> seconds; None for unlimited."""
+    text = text.strip()
+    if not text or text.lower() in ("infinite", "unlimited", "n/a"):
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":") if p.isdigit()]
+    if len(parts) == 1:
+        seconds = parts[0] * 60  # a bare number is minutes
+    elif len(parts) == 2:
+        seconds = (parts[0] * 3600 + parts[1] * 60) if days else (parts[0] * 60 + parts[1])
+    else:
+        seconds = parts[0] * 3600 + parts[1] * 60 + parts[2]
+    return (int(days) if days.isdigit() else 0) * 86400 + seconds
+
+
+def max_array_size() -> int:
+    """MaxArraySize of the cluster (array indices run from 0 to this minus one)."""
+    done = run_scheduler(["scontrol", "show", "config"])
+    m = re.search(r"^MaxArraySize\s*=\s*(\d+)", done.stdout, re.M)
+    return int(m.group(1)) if m else 1001  # SLURM's default
+
+
+# --- where jobs are -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobInfo:
+    """One job or array task as the scheduler reports it."""
+
+    id: str  # "123" or "123_4"
+    state: str
+    reason: str = ""
+    elapsed: str = ""
+    nodes: str = ""
+    restarts: int = 0
+    exit_code: int | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+SQUEUE_FIELDS = "JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,RestartCnt:|,exit_code:|"
+
+
+def query_jobs(job_ids: list[str]) -> dict[str, JobInfo]:
+    """State of the given jobs (array jobs by their id: every task comes back), in one squeue call.
+
+    `squeue -t all` reads the controller's whole job table, finished jobs included until MinJobAge
+    passes, so it already holds what `scontrol show job` would say (state, reason, restarts, exit code).
+    Jobs it no longer knows are asked of sacct, once for all, where accounting exists.
+    """
+    ids = sorted({j.split("_")[0] for j in job_ids})
+    if not ids:
+        return {}
+    done = run_scheduler(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(ids), "-O", SQUEUE_FIELDS])
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        raise SchedulerError(f"squeue failed: {one_line(done.stderr) or done.returncode}")
+    found = parse_squeue(done.stdout if done.returncode == 0 else "")
+    missing = [i for i in ids if not any(k.split("_")[0] == i for k in found)]
+    if missing:
+        found.update(query_sacct(missing))
+    return found
+
+
+def parse_squeue(text: str) -> dict[str, JobInfo]:
+    out = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 7:
+            continue
+        job_id, state, reason, elapsed, nodes, restarts, exit_code = (p.strip() for p in parts[:7])
+        state = state.split()[0] if state else "UNKNOWN"
+        out[job_id] = JobInfo(job_id, state, "" if reason in ("None", "(null)") else reason, elapsed,
+                              "" if nodes in ("(null)", "") else nodes, _int(restarts),
+                              _wait_status(exit_code, state))
+    return out
+
+
+def _wait_status(text: str, state: str) -> int | None:
+    """squeue's exit_code is the raw wait status (exit code << 8 | signal)."""
+    if not text.strip().isdigit() or state not in FINAL_STATES:
+        return None
+    status = int(text)
+    return status >> 8 if status & 0x7F == 0 else 128 + (status & 0x7F)
+
+
+def query_sacct(job_ids: list[str]) -> dict[str, JobInfo]:
+    """Finished jobs the controller forgot; {} where accounting is off (sacct fails then)."""
+    try:
+        done = run_scheduler(["sacct", "-n", "-X", "-P", "-o", "JobID,State,Elapsed,NodeList,ExitCode",
+                              "-j", ",".join(job_ids)])
+    except SchedulerError:
+        return {}
+    if done.returncode != 0:
+        return {}
+    out = {}
+    for line in done.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) < 5 or "." in parts[0]:
+            continue
+        job_id, state, elapsed, nodes, exit_code = parts[:5]
+        state = state.split()[0] if state else "UNKNOWN"
+        code = exit_code.split(":")[0]
+        out[job_id] = JobInfo(job_id, state, "", elapsed, nodes, 0, int(code) if code.isdigit() else None)
+    return out
+
+
+def cancel_jobs(job_ids: list[str]) -> None:
+    """Cancel for good: `123_4` one array task, `123` a whole array.
+
+    scancel sends SIGTERM, which the job takes as a preemption: it checkpoints and rank 0 runs
+    `scontrol requeue`, which SLURM accepts even for a cancelled job. Turning the job's Requeue flag
+    off first makes that requeue fail ("presently disabled"), so a cancelled job stays cancelled.
+    """
+    run_scheduler(["scontrol", "update", f"JobId={','.join(job_ids)}", "Requeue=0"])  # a finished job refuses: fine
+    done = run_scheduler(["scancel", *job_ids])
+    if done.returncode != 0:
+        raise SchedulerError(f"scancel failed: {one_line(done.stderr) or done.returncode}")

@@ -1,0 +1,121 @@
+"""`hpcgpu submit` to SLURM: check the request, make the run dir(s), submit with submitit, register.
+
+A spec without a sweep is one job; a sweep is one job array (several when it is larger than the
+cluster's MaxArraySize), one resolved spec and run dir per task.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcgpu.errors import HpcgpuError, SchedulerError
+from hpcgpu.launch.options import sbatch_options
+from hpcgpu.launch.preflight import check_request
+from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
+from hpcgpu.launch.rundir import make_run_dir, new_run_id
+from hpcgpu.launch.sbatch import ArrayIndex, render_body
+from hpcgpu.launch.scheduler import max_array_size, read_cluster
+from hpcgpu.launch.sweep import (SweepTask, array_chunks, array_range, check_one_script, sweep_root,
+                                 sweep_tasks, write_sweep)
+from hpcgpu.spec import Spec
+
+Options = list[tuple[str, "str | None"]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One batch script to submit: its options, its command (the script body), where it logs."""
+
+    options: Options
+    command: str
+    folder: Path  # the run dir (of an array: the sweep dir)
+
+
+def header(spec: Spec, spec_ref: str) -> str:
+    r = spec.resources
+    return (f'# hpcgpu job "{spec.name}" (task: {spec.task}, {spec.world_size} rank(s): {r.nodes} node(s) x '
+            f"{r.gpus} GPU(s))\n# Submitted by `hpcgpu submit` through submitit. Resolved spec: {spec_ref}\n")
+
+
+def single_plan(spec: Spec, run_dir: Path) -> Plan:
+    spec_path = run_dir / "spec.yaml"
+    return Plan(sbatch_options(spec, run_dir),
+                header(spec, str(spec_path)) + render_body(spec, run_dir, spec_path), run_dir)
+
+
+def array_plan(spec: Spec, root: Path, tasks_file: Path, offset: int, length: int) -> Plan:
+    """spec: any task's spec (check_one_script made sure they share the batch script)."""
+    options = sbatch_options(spec, root, array=array_range(length, spec.slurm.array_parallelism))
+    index = ArrayIndex(tasks_file, offset)
+    command = header(spec, f"line SLURM_ARRAY_TASK_ID+{offset}+1 of {tasks_file}") + render_body(
+        spec, root, tasks_file, array=index)
+    return Plan(options, command, root)
+
+
+def check_cluster(spec: Spec) -> None:
+    """Refuse, before anything is written, a request no node of the partition can hold (exit 2)."""
+    check_request(spec, read_cluster())
+
+
+def submit_plan(plan: Plan) -> str:
+    from hpcgpu.launch.submitit_slurm import submit_command  # submitit loads only when submitting
+
+    return submit_command(plan.folder, plan.options, plan.command)
+
+
+def submit_single(spec: Spec, spec_file: str, registry: Registry) -> JobRecord:
+    check_cluster(spec)
+    run_dir = make_run_dir(spec)
+    try:
+        job_id = submit_plan(single_plan(spec, run_dir))
+    except HpcgpuError:
+        shutil.rmtree(run_dir, ignore_errors=True)  # made a moment ago for this job, which never was
+        raise
+    return registry.add(JobRecord(job_id, spec.name, spec_file, str(run_dir), "slurm"))
+
+
+def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry) -> list[JobRecord]:
+    check_one_script(tasks)
+    check_cluster(tasks[0].spec)
+    chunks = array_chunks(len(tasks), max_array_size())
+    sweep = write_sweep(spec, tasks)
+    records = []
+    for offset, length in chunks:
+        try:
+            job_id = submit_plan(array_plan(tasks[0].spec, sweep.root, sweep.tasks_file, offset, length))
+        except HpcgpuError:
+            if not records:  # nothing of the sweep was submitted: leave nothing behind
+                shutil.rmtree(sweep.root, ignore_errors=True)
+            raise
+        layout = [TaskRecord(f"{job_id}_{i}", str(sweep.run_dirs[offset + i]), tasks[offset + i].values)
+                  for i in range(length)]
+        records.append(registry.add(JobRecord(job_id, spec.name, spec_file, str(sweep.root), "slurm",
+                                              tasks=layout)))
+    return records
+
+
+def submit_to_slurm(spec: Spec, spec_file: str, registry: Registry) -> list[JobRecord]:
+    tasks = sweep_tasks(spec)
+    if tasks:
+        return submit_sweep(spec, tasks, spec_file, registry)
+    return [submit_single(spec, spec_file, registry)]
+
+
+def dry_run_script(spec: Spec) -> str:
+    """The batch file that would be submitted (the first one, for a sweep split in several)."""
+    from hpcgpu.launch.submitit_slurm import submission_text
+
+    tasks = sweep_tasks(spec)
+    if tasks:
+        check_one_script(tasks)
+        root = sweep_root(tasks[0].spec)
+        try:
+            first = array_chunks(len(tasks), max_array_size())[0][1]
+        except SchedulerError:  # no SLURM here: SLURM's default MaxArraySize
+            first = array_chunks(len(tasks), 1001)[0][1]
+        plan = array_plan(tasks[0].spec, root, root / "tasks.txt", 0, first)
+    else:
+        run_dir = (Path(spec.runs_dir).expanduser() / spec.name / new_run_id()).resolve()
+        plan = single_plan(spec, run_dir)
+    return submission_text(plan.folder, plan.options, plan.command)

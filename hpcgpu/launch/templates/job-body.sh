@@ -1,0 +1,31 @@
+set -eo pipefail  # no -u: conda and module scripts in the setup lines read unset variables
+
+${array_block}# --- setup (the spec's slurm.setup lines, verbatim) ---
+${setup}
+
+# --- environment ---
+export PYTHONUNBUFFERED=1
+export HPCGPU_JOB_START=$$(date +%s)  # tells a timeout signal from a preemption one
+export HPCGPU_RUN_DIR=${run_dir_q}
+${env_lines}
+# Rendezvous: rank 0 listens on the first host of the allocation, on a port derived from the job id
+# (never a fixed 29500, which collides between jobs sharing a node).
+MASTER_ADDR=$$(scontrol show hostnames "$$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE under pipefail
+export MASTER_ADDR
+export MASTER_PORT=${master_port}
+export SRUN_CPUS_PER_TASK=$${SLURM_CPUS_PER_TASK:-${cpus}}
+
+# --- launch: one task per GPU, all running the same entrypoint ---
+# srun runs in the background so this shell survives the preemption signal and passes it on; the
+# ranks checkpoint, rank 0 requeues the job, and the shell returns srun's exit code.
+set +e
+srun --kill-on-bad-exit=1 --ntasks-per-node=${gpus} --cpus-per-task=${cpus} \
+  ${python} -m hpcgpu run ${spec_path_q} &
+srun_pid=$$!
+trap 'kill -s ${signal} "$$srun_pid" 2>/dev/null' ${signal}
+trap 'kill -s TERM "$$srun_pid" 2>/dev/null' TERM
+while :; do
+  wait "$$srun_pid"; rc=$$?
+  kill -0 "$$srun_pid" 2>/dev/null || break  # wait was cut short by a signal: srun still runs
+done
+exit "$$rc"

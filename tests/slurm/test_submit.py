@@ -1,0 +1,200 @@
+"""`hpcgpu submit` through submitit on the real local cluster: training, the same request as
+`hpcgpu sbatch`, preemption, cancel, sweeps as arrays, checks before submission, the registry."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_train_and_preempt import assert_same_weights, run_local
+
+pytestmark = pytest.mark.slurm
+
+
+def command_spec(cluster, command: list[str], name: str = "cmd", **more) -> Path:
+    doc = {"name": name, "task": "command", "command": command,
+           "resources": {"gpus": 1, "cpus_per_gpu": 1, "time": "00:05:00"}}
+    doc.update(more)
+    return cluster.write_spec(doc, f"{name}.yaml")
+
+
+def test_submit_trains_on_two_gpus(slurm):
+    spec = slurm.write_spec(slurm.tiny_train(max_steps=20))
+    job, run_dir, seconds = slurm.submit(spec, "--gpus", "2")
+    print(f"\nhpcgpu submit returned job {job} in {seconds:.2f} s")
+    assert seconds < 5, "sanity bound only; the target is well under 2 s (benchmarks/submit_latency.py)"
+    view, seen = slurm.wait_status(job, timeout=300)
+    assert view["state"] == "COMPLETED", slurm.job_output(run_dir, job)
+    assert seen[-1] == "COMPLETED" and set(seen) <= {"PENDING", "RUNNING", "COMPLETING", "COMPLETED"}
+    assert view["nodes"] == "n1" and view["restarts"] == 0 and view["exit_code"] == 0
+    assert view["step"] == 20 and view["loss"] == slurm.loss_log(run_dir)[20]
+    assert sorted(slurm.loss_log(run_dir)) == list(range(1, 21))
+    assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "FINISHED").exists()
+    logs = slurm.hpcgpu("logs", job).stdout
+    assert "x 2 ranks" in logs and "ddp" in logs  # rank 0's own lines
+    listing = slurm.hpcgpu("list").stdout
+    assert re.search(rf"^{job}\s+tiny\s+slurm\s+COMPLETED", listing, re.M), listing
+
+
+SAME_FIELDS = ["JobName", "NumNodes", "NumCPUs", "NumTasks", "CPUs/Task", "TRES", "TresPerNode", "TimeLimit",
+               "Partition", "Requeue", "OverSubscribe", "MinMemoryNode", "MinCPUsNode", "Features", "Contiguous",
+               "Priority", "Reason", "Dependency", "ReqNodeList", "ExcNodeList", "Account", "QOS", "Network",
+               "Licenses", "NtasksPerN:B:S:C", "ReqB:S:C:T", "Socks/Node", "CoreSpec", "Nice", "WorkDir"]
+
+
+def test_submit_and_sbatch_request_the_same(slurm):
+    doc = slurm.tiny_train(max_steps=5)
+    doc["resources"].update({"gpus": 2, "nodes": 2, "cpus_per_gpu": 2, "mem_per_gpu": "1G", "time": "00:07:00"})
+    doc["slurm"] = {"partition": "gpu", "extra": {"hold": True, "comment": "same request"}}
+    spec = slurm.write_spec(doc)
+    script, sbatch_dir = slurm.render(spec)
+    by_sbatch = slurm.sbatch(script)
+    by_submit, submit_dir, _ = slurm.submit(spec)
+    try:
+        a, b = slurm.job(by_sbatch), slurm.job(by_submit)
+        assert a["JobState"] == b["JobState"] == "PENDING" and a["Reason"] == "JobHeldUser"
+        for key in SAME_FIELDS:
+            assert a.get(key) == b.get(key), f"{key}: sbatch {a.get(key)!r} != submit {b.get(key)!r}"
+        assert (a["TresPerNode"], a["NumTasks"], a["TimeLimit"]) == ("gres:gpu:2", "4", "00:07:00")
+        assert b["StdOut"] == str(submit_dir / f"slurm-{by_submit}.out")
+        assert a["StdOut"] == str(sbatch_dir / f"slurm-{by_sbatch}.out")
+        # the same script body: setup, exports, rendezvous and the srun of `hpcgpu run`
+        submitted = (submit_dir / f"{by_submit}_submission.sh").read_text()
+        body = script.read_text().split("\nset -eo pipefail", 1)[1].replace(str(sbatch_dir), str(submit_dir))
+        assert submitted.split("\nset -eo pipefail", 1)[1].rstrip() == body.rstrip()
+    finally:
+        subprocess.run(["scancel", by_sbatch, by_submit])
+
+
+def test_preemption_through_submit_resumes_exactly(slurm):
+    doc = slurm.tiny_train(max_steps=120)
+    doc["checkpoint"] = {"every_steps": 50, "keep": 2}
+    spec = slurm.write_spec(doc)
+    baseline = run_local(slurm, spec)
+
+    waiting = subprocess.Popen([sys.executable, "-m", "hpcgpu", "submit", str(spec), "--wait"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=slurm.env())
+    try:
+        job = re.match(r"job\s+(\d+)", waiting.stdout.readline()).group(1)  # printed before it waits
+        run_dir = Path(waiting.stdout.readline().split()[-1])
+        slurm.wait_for(lambda: len(slurm.loss_log(run_dir)) >= 15, timeout=180, what="15 logged steps")
+        subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
+        out, err = waiting.communicate(timeout=300)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    assert waiting.returncode == 0, err  # --wait: the job's status, COMPLETED after one requeue
+    view = slurm.status(job)
+    assert view["state"] == "COMPLETED" and view["restarts"] == 1 and view["step"] == 120
+
+    events = [r for r in slurm.metrics(run_dir) if r["kind"] in ("stop", "resume", "end")]
+    stop, resume, end = events
+    assert stop["reason"] == "preempted" and resume["restart_count"] == 1 and resume["step"] == stop["step"] >= 15
+    assert end["step"] == 120
+    assert "requeued job" in slurm.hpcgpu("logs", job).stdout
+    assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)
+    assert_same_weights(run_dir, baseline)
+
+
+def test_cancel_a_job_for_good(slurm):
+    spec = command_spec(slurm, ["sleep", "300"], name="sleeper")
+    job, run_dir, _ = slurm.submit(spec)
+    slurm.wait_status(job, timeout=60, states={"RUNNING"})
+    done = slurm.hpcgpu("cancel", job)
+    assert done.stdout.strip() == f"cancelled {job}"
+    view, _ = slurm.wait_status(job, timeout=60)
+    time.sleep(3)  # the ranks took SIGTERM as a preemption: their requeue must not revive the job
+    info = slurm.job(job)
+    assert (view["state"], info["JobState"], info["Restarts"]) == ("CANCELLED", "CANCELLED", "0")
+    assert "ended" in slurm.hpcgpu("cancel", job).stdout
+
+
+SEED_TO_FILE = ("import os, re; d = os.environ['HPCGPU_RUN_DIR']; "
+                "seed = re.search(r'seed: (\\d+)', open(os.path.join(d, 'spec.yaml')).read()).group(1); "
+                "open(os.path.join(d, 'seed.txt'), 'w').write(seed); print('task seed', seed)")
+
+
+def test_sweep_is_one_array_with_a_run_dir_per_task(slurm):
+    spec = command_spec(slurm, [sys.executable, "-c", SEED_TO_FILE], name="sweeper",
+                        slurm={"array_parallelism": 2})
+    out = slurm.hpcgpu("submit", str(spec), "--sweep", "train.seed=11,22,33").stdout
+    job = re.search(r"^job\s+(\d+) \(array of 3 tasks, at most 2 at once\)", out, re.M).group(1)
+    assert slurm.job(f"{job}_0").get("ArrayTaskThrottle") == "2"
+    view, _ = slurm.wait_status(job, timeout=180)
+    assert view["state"] == "COMPLETED", view
+    assert [t["id"] for t in view["tasks"]] == [f"{job}_{i}" for i in range(3)]
+    assert [t["state"] for t in view["tasks"]] == ["COMPLETED"] * 3
+    for i, (task, seed) in enumerate(zip(view["tasks"], ("11", "22", "33"))):
+        run_dir = Path(task["run_dir"])
+        assert run_dir.name == str(i) and task["values"] == {"train.seed": int(seed)}
+        assert (run_dir / "seed.txt").read_text() == seed
+        assert "sweep: {}" in (run_dir / "spec.yaml").read_text()
+        assert slurm.hpcgpu("logs", task["id"]).stdout == f"task seed {seed}\n"
+    table = slurm.hpcgpu("status", job).stdout
+    assert len(re.findall(rf"^{job}_\d\s+COMPLETED", table, re.M)) == 3, table
+
+
+def test_cancel_one_array_task(slurm):
+    spec = command_spec(slurm, ["sleep", "300"], name="arr")
+    out = slurm.hpcgpu("submit", str(spec), "--sweep", "train.seed=1,2").stdout
+    job = re.search(r"^job\s+(\d+)", out, re.M).group(1)
+    slurm.wait_for(lambda: all(t["state"] == "RUNNING" for t in slurm.status(job)["tasks"]), 60, "both tasks running")
+    slurm.hpcgpu("cancel", f"{job}_1")
+    slurm.wait_for(lambda: slurm.status(f"{job}_1")["state"] == "CANCELLED", 60, "task 1 cancelled")
+    assert slurm.status(f"{job}_0")["state"] == "RUNNING"
+    slurm.hpcgpu("cancel", job)
+    view, _ = slurm.wait_status(job, timeout=60)
+    assert [t["state"] for t in view["tasks"]] == ["CANCELLED", "CANCELLED"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--set", "slurm.partition=nosuch"], "slurm.partition: no partition 'nosuch' on this cluster (partitions: gpu, debug)"),
+    (["--gpus", "5"], "no node in partition 'gpu' has 5 GPU(s) (the most is 4"),
+    (["--nodes", "3"], "3 nodes asked for, but partition 'gpu' has only 2"),
+])
+def test_impossible_request_fails_before_submission(slurm, args, words):
+    spec = command_spec(slurm, ["true"], name="impossible")
+    done = slurm.hpcgpu("submit", str(spec), *args, check=False)
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.count("\n") == 1 and words in done.stderr and done.stdout == ""
+    names = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%j"], capture_output=True, text=True).stdout
+    assert "impossible" not in names.split()
+    assert not (slurm.tmp / "runs").exists() and not slurm.registry.exists()
+
+
+def test_sbatch_refusal_is_slurms_message_exit_3(slurm):
+    spec = command_spec(slurm, ["true"], name="refused", slurm={"extra": {"nodelist": "nosuch"}})
+    done = slurm.hpcgpu("submit", str(spec), check=False)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr == "hpcgpu: error: sbatch: error: Batch job submission failed: Invalid node name specified\n"
+    assert not list((slurm.tmp / "runs" / "refused").glob("*"))  # the run dir made for it is gone again
+
+
+def test_wait_returns_the_jobs_exit_code(slurm):
+    spec = command_spec(slurm, [sys.executable, "-c", "raise SystemExit(3)"], name="fails")
+    done = slurm.hpcgpu("submit", str(spec), "--wait", check=False)
+    assert done.returncode == 3, done.stderr
+    assert "FAILED" in done.stderr and done.stderr.strip().splitlines()[-1].startswith("hpcgpu: error: job ")
+
+
+def test_twenty_parallel_submits_leave_twenty_rows(slurm):
+    spec = command_spec(slurm, ["true"], name="many")
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "hpcgpu", "submit", str(spec)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=slurm.env()) for _ in range(20)]
+    results = [p.communicate(timeout=180) for p in procs]
+    print(f"\n20 parallel submits took {time.perf_counter() - t0:.1f} s on {len(procs)} processes")
+    assert [p.returncode for p in procs] == [0] * 20, [err for _, err in results if err]
+    ids = [re.search(r"^job\s+(\d+)", out, re.M).group(1) for out, _ in results]
+    try:
+        from hpcgpu.launch.registry import Registry
+
+        rows = Registry(slurm.registry).all()
+        assert len(rows) == 20 and sorted(r.job_id for r in rows) == sorted(ids) and len(set(ids)) == 20
+        assert len({r.run_dir for r in rows}) == 20
+    finally:
+        subprocess.run(["scancel", *ids])

@@ -1,0 +1,102 @@
+"""The job registry (sqlite3): rows, ids, lookups, concurrent writers, and where it lives."""
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord, registry_path
+
+
+def record(job_id: str = "", **more) -> JobRecord:
+    return JobRecord(job_id, more.pop("name", "exp"), "/specs/exp.yaml", more.pop("run_dir", "/runs/exp/1"),
+                     more.pop("executor", "slurm" if job_id else "local"), **more)
+
+
+def test_path_default_and_override(monkeypatch, tmp_path):
+    monkeypatch.delenv("HPCGPU_REGISTRY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert registry_path() == tmp_path / "state" / "hpcgpu" / "jobs.db"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert registry_path() == tmp_path / "home" / ".local" / "state" / "hpcgpu" / "jobs.db"
+    monkeypatch.setenv("HPCGPU_REGISTRY", str(tmp_path / "x.db"))
+    assert registry_path() == tmp_path / "x.db"
+
+
+def test_add_find_save_roundtrip(tmp_path):
+    reg = Registry(tmp_path / "jobs.db")
+    job = reg.add(record("123", restarts=0))
+    assert job.key == 1
+    found, task = reg.find("123")
+    assert task is None and found == job
+    reg.update(found, state="RUNNING", nodes="n[1-2]", restarts=2)
+    again = Registry(tmp_path / "jobs.db").find("123")[0]  # a fresh connection sees the commit
+    assert (again.state, again.nodes, again.restarts) == ("RUNNING", "n[1-2]", 2)
+
+
+def test_local_jobs_get_registry_ids(tmp_path):
+    reg = Registry(tmp_path / "jobs.db")
+    a, b = reg.add(record()), reg.add(record())
+    assert (a.job_id, b.job_id) == ("local-1", "local-2")
+    assert reg.find("local-2")[0].key == 2
+
+
+def test_array_tasks_are_found_by_task_id(tmp_path):
+    reg = Registry(tmp_path / "jobs.db")
+    tasks = [TaskRecord(f"77_{i}", f"/sweep/{i}", {"train.lr": lr}) for i, lr in enumerate([0.1, 0.2, 0.3])]
+    reg.add(record("77", run_dir="/sweep", tasks=tasks))
+    job, task = reg.find("77_2")
+    assert job.job_id == "77" and task is not None and task.run_dir == "/sweep/2" and task.values == {"train.lr": 0.3}
+    with pytest.raises(HpcgpuError, match="no job '77_9'"):
+        reg.find("77_9")
+
+
+def test_reused_slurm_id_finds_the_newest(tmp_path):
+    """A reset controller starts job ids again: the newest submission with an id is the one meant."""
+    reg = Registry(tmp_path / "jobs.db")
+    reg.add(record("5", name="old"))
+    reg.add(record("5", name="new"))
+    assert reg.find("5")[0].name == "new"
+
+
+def test_unknown_job_is_one_clear_error(tmp_path):
+    with pytest.raises(HpcgpuError, match="no job '42'.*hpcgpu list"):
+        Registry(tmp_path / "jobs.db").find("42")
+
+
+def test_unwritable_place_is_an_hpcgpu_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(HpcgpuError, match="HPCGPU_REGISTRY"):
+        Registry(blocker / "jobs.db").add(record("1"))
+
+
+def test_wal_mode(tmp_path):
+    Registry(tmp_path / "jobs.db").add(record("1"))
+    mode = sqlite3.connect(tmp_path / "jobs.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def _add_many(path: str, worker: int, count: int) -> None:
+    reg = Registry(Path(path))
+    for i in range(count):
+        reg.add(record(f"{worker}{i:03d}"))
+
+
+def test_concurrent_writers_lose_no_row(tmp_path):
+    """20 processes race to create the database and insert: every row arrives."""
+    path = str(tmp_path / "jobs.db")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_add_many, args=(path, w, 5)) for w in range(1, 21)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 20
+    reg = Registry(Path(path))
+    assert reg.count() == 100
+    assert len({j.job_id for j in reg.all()}) == 100
