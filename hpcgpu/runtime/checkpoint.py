@@ -95,6 +95,44 @@ def reset_cpu_group() -> None:
     _CPU_GROUP = None
 
 
+class Payload:
+    """What a checkpoint holds besides the per-rank state: written and read collectively."""
+
+    can_async = False
+
+    def write(self, path: Path) -> None:
+        raise NotImplementedError
+
+    def write_async(self, path: Path, options: dict[str, Any]) -> Future:
+        raise NotImplementedError
+
+    def read(self, path: Path) -> None:
+        raise NotImplementedError
+
+
+class DcpPayload(Payload):
+    """Sharded tensors (model, optimizer) through torch.distributed.checkpoint; loads in place."""
+
+    can_async = True
+
+    def __init__(self, tensors: dict[str, Any]):
+        self.tensors = tensors
+
+    def write(self, path: Path) -> None:
+        dcp.save(self.tensors, checkpoint_id=str(path), process_group=_cpu_group())
+
+    def write_async(self, path: Path, options: dict[str, Any]) -> Future:
+        resp = dcp.async_save(self.tensors, checkpoint_id=str(path), process_group=_cpu_group(), **options)
+        return getattr(resp, "upload_completion", resp)  # newer torch returns a (staging, upload) pair
+
+    def read(self, path: Path) -> None:
+        dcp.load(self.tensors, checkpoint_id=str(path), process_group=_cpu_group())
+
+
+def as_payload(value: Payload | dict[str, Any]) -> Payload:
+    return value if isinstance(value, Payload) else DcpPayload(value)
+
+
 class CheckpointManager:
     """Collective save/load of (sharded tensors, per-rank state) in the step-N layout."""
 
@@ -126,13 +164,14 @@ class CheckpointManager:
         return self._pending is None or self._pending[0].done()
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, tensors: dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any],
-             blocking: bool | None = None) -> None:
+    def save(self, step: int, payload: Payload | dict[str, Any], rank_state: dict[str, Any],
+             meta: dict[str, Any], blocking: bool | None = None) -> None:
         """Collective. Writes under .step-N.tmp, then marks complete and renames (now or when async ends)."""
         if self.last_saved_step == step:
             return
         self.finish_pending()
-        use_async = self.policy.async_save if blocking is None else not blocking
+        payload = as_payload(payload)
+        use_async = (self.policy.async_save if blocking is None else not blocking) and payload.can_async
         t0 = time.perf_counter()
         tmp = self.root / f".{step_dir_name(step)}.tmp"
         if self.rank == 0:
@@ -143,12 +182,10 @@ class CheckpointManager:
         torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
         meta = dict(meta, step=step, world_size=self.world_size, time=time.time())
         if use_async:
-            resp = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group(),
-                                  **self._stager_kwargs())
-            fut = getattr(resp, "upload_completion", resp)  # newer torch returns a response pair
-            self._pending = (fut, tmp, step, meta)  # type: ignore[assignment]
+            fut = payload.write_async(tmp, self._stager_kwargs())
+            self._pending = (fut, tmp, step, meta)
         else:
-            dcp.save(tensors, checkpoint_id=str(tmp), process_group=_cpu_group())
+            payload.write(tmp)
             _kill_drill(step)
             self._finalize(tmp, step, meta)
         self.last_blocking_s = time.perf_counter() - t0
@@ -210,11 +247,12 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
-    def load_latest(self, tensors: dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
-        """Collective. Fill `tensors` in place from the newest loadable checkpoint; return its rank state."""
+    def load_latest(self, payload: Payload | dict[str, Any]) -> tuple[Path, dict[str, Any]] | None:
+        """Collective. Load the newest loadable checkpoint into `payload`; return its rank state."""
+        payload = as_payload(payload)
         candidates = complete_checkpoints(self.root)
         for path in reversed(candidates):
-            ok, rank_state, why = self._try_load(path, tensors)
+            ok, rank_state, why = self._try_load(path, payload)
             if _all_ok(ok):
                 log.info(f"resumed from {path.name}")
                 return path, rank_state
@@ -222,10 +260,10 @@ class CheckpointManager:
                         "trying the one before it")
         return None
 
-    def _try_load(self, path: Path, tensors: dict[str, Any]) -> tuple[bool, dict[str, Any], str]:
+    def _try_load(self, path: Path, payload: Payload) -> tuple[bool, dict[str, Any], str]:
         try:
             read_marker(path)
-            dcp.load(tensors, checkpoint_id=str(path), process_group=_cpu_group())
+            payload.read(path)
         except (Exception, CheckpointException) as exc:  # truncated or corrupt: fall back, never crash on it
             return False, {}, _first_line(exc)
         rank_file = path / f"rank-{self.rank}.pt"

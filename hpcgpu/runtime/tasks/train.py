@@ -61,8 +61,6 @@ def resolve_strategy(spec: Spec, world: int) -> str:
     s = spec.distributed.strategy
     if s == "auto":
         return "ddp" if world > 1 else "none"
-    if s == "deepspeed":
-        raise HpcgpuError("distributed.strategy: deepspeed is not in this version yet; use ddp")
     if s == "none" and world > 1:
         raise HpcgpuError(f"distributed.strategy: none cannot run {world} ranks; use ddp")
     return s
@@ -112,10 +110,15 @@ def build_model(spec: Spec, seed: int) -> torch.nn.Module:
     return model.to(dtype) if dtype else model
 
 
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+def count_params(model: torch.nn.Module) -> int:
+    """Parameters, also when ZeRO-3 has partitioned them away (ds_numel is the full size)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int, n: int | None = None) -> float:
     """Training FLOPs per token: 6N plus attention (PaLM appendix B, as nanoGPT counts it)."""
     cfg = getattr(model, "config", None)
-    n = sum(p.numel() for p in model.parameters())
+    n = count_params(model) if n is None else n
     layers = getattr(cfg, "num_hidden_layers", 0) or 0
     heads = getattr(cfg, "num_attention_heads", 0) or 0
     hidden = getattr(cfg, "hidden_size", 0) or 0
@@ -136,12 +139,16 @@ def lr_lambda(spec: Spec):  # type: ignore[no-untyped-def]
     return factor
 
 
-def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device,
+                    offload: bool = False) -> torch.optim.Optimizer:
+    def ndim(p: torch.Tensor) -> int:
+        return len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 leaves empty placeholders in the module
+
+    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
     groups = [{"params": decay, "weight_decay": spec.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda"
+    fused = device.type == "cuda" and not offload  # offloaded optimizer states live on the CPU
     return torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=fused)
 
 
@@ -182,19 +189,18 @@ class Trainer:
         self.eval_blocks = load_blocks(spec.data.eval, self.tokenizer, spec.data.seq_len) if spec.data.eval else None
         self.schedule = BatchSchedule(len(self.train_blocks), t.global_batch_size, t.seed, ctx.rank,
                                       self.world, self.micro)
-        self.raw_model = build_model(spec, t.seed).to(self.device)
+        self.ds = self._deepspeed_run()
+        self.raw_model = build_model(spec, t.seed)
+        if self.ds is None:
+            self.raw_model = self.raw_model.to(self.device)
         self._check_vocab()
         self.train_blocks = place_tokens(self.train_blocks, self.device)
-        self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len)
-        self.model: torch.nn.Module = self.raw_model
-        if resolve_compile(spec, self.device):
-            self.model = torch.compile(self.model)
-        if self.strategy == "ddp":
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = DDP(self.model, device_ids=ids)
-        self.optimizer = build_optimizer(self.raw_model, spec, self.device)
+        self.n_params = count_params(self.raw_model)
+        self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len, self.n_params)
+        self.optimizer = build_optimizer(self.raw_model, spec, self.device, offload=self._offloads())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
-        self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
+        self.model: Any = self._wrap(self.raw_model)
         self.step = 0
         self.last_lr = spec.train.lr
         self.start_step = 0
@@ -202,6 +208,31 @@ class Trainer:
         torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs by rank, reproducibly
         random.seed(t.seed + ctx.rank)
         np.random.seed((t.seed + ctx.rank) % 2**32)
+
+    def _deepspeed_run(self) -> Any:
+        if self.strategy != "deepspeed":
+            return None
+        from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun, generated_config, merged_config
+
+        config = merged_config(self.spec, generated_config(self.spec, self.world, self.micro, self.accum,
+                                                           self.amp_dtype))
+        run = DeepSpeedRun(config)
+        run.before_model()
+        return run
+
+    def _offloads(self) -> bool:
+        return self.ds is not None and self.spec.distributed.deepspeed.offload_optimizer
+
+    def _wrap(self, model: torch.nn.Module) -> Any:
+        """DeepSpeed engine, or (compiled) DDP; the raw model stays reachable for saving."""
+        if self.ds is not None:
+            return self.ds.initialize(model, self.optimizer, self.scheduler)
+        if resolve_compile(self.spec, self.device):
+            model = torch.compile(model)  # type: ignore[assignment]
+        if self.strategy == "ddp":
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DDP(model, device_ids=ids)
+        return model
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.raw_model.config, "vocab_size", None)
@@ -224,7 +255,7 @@ class Trainer:
 
     # -- one optimizer step
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
+        if self.amp_dtype is None or self.ds is not None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
@@ -236,7 +267,17 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.model.train()
+        self.last_lr = self.scheduler.get_last_lr()[0]  # the lr this step uses, for the log
         micro_batches = self.schedule.next_micro_batches()
+        if self.ds is not None:
+            total = self._deepspeed_step(micro_batches)
+        else:
+            total = self._ddp_step(micro_batches)
+        self.step += 1
+        self.tokens_seen += self.spec.train.global_batch_size * self.spec.data.seq_len
+        return total
+
+    def _ddp_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for i, idx in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -251,10 +292,17 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_lr = self.scheduler.get_last_lr()[0]  # the lr this step used, for the log
         self.scheduler.step()
-        self.step += 1
-        self.tokens_seen += self.spec.train.global_batch_size * self.spec.data.seq_len
+        return total
+
+    def _deepspeed_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """The engine accumulates, reduces, clips and steps (optimizer and scheduler) on the last one."""
+        total = torch.zeros((), device=self.device)
+        for idx in micro_batches:
+            loss = self._micro_loss(idx)
+            self.model.backward(loss)  # scaled by 1/accumulation inside the engine
+            self.model.step()
+            total += loss.detach().float() / len(micro_batches)
         return total
 
     @torch.no_grad()
@@ -290,9 +338,17 @@ def checkpoint_tensors(tr: Trainer) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
+def checkpoint_payload(tr: Trainer) -> Any:
+    if tr.ds is not None:
+        from hpcgpu.runtime.deepspeed_strategy import DeepSpeedPayload
+
+        return DeepSpeedPayload(tr.model)
+    return checkpoint_tensors(tr)
+
+
 def save_checkpoint(ctx: Context, tr: Trainer, blocking: bool | None = None) -> None:
     rank_state = {"trainer": tr.state_dict(), "rng": rng_state(tr.device)}
-    ctx.checkpoint.save(tr.step, checkpoint_tensors(tr), rank_state,
+    ctx.checkpoint.save(tr.step, checkpoint_payload(tr), rank_state,
                         {"tokens": tr.tokens_seen, "restart_count": ctx.env.restart_count}, blocking=blocking)
 
 
@@ -303,14 +359,16 @@ def resume(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> bool:
 
     if not complete_checkpoints(ctx.checkpoint.root):
         return False
-    tensors = checkpoint_tensors(tr)
-    loaded = ctx.checkpoint.load_latest(tensors)
+    payload = checkpoint_payload(tr)
+    loaded = ctx.checkpoint.load_latest(payload)
     if loaded is None:
-        tr.optimizer.state.clear()  # get_state_dict primed it with a zero-lr step; start clean
+        if tr.ds is None:
+            tr.optimizer.state.clear()  # get_state_dict primed it with a zero-lr step; start clean
         return False
     path, rank_state = loaded
-    set_state_dict(tr.raw_model, tr.optimizer, model_state_dict=tensors["model"],
-                   optim_state_dict=tensors["optim"])
+    if tr.ds is None:
+        set_state_dict(tr.raw_model, tr.optimizer, model_state_dict=payload["model"],
+                       optim_state_dict=payload["optim"])
     tr.load_state_dict(rank_state["trainer"])
     if rank_state.get("rng") and Path(path, f"rank-{ctx.rank}.pt").exists():
         set_rng_state(rank_state["rng"], tr.device)
@@ -408,7 +466,7 @@ def progress(total: int, initial: int, enabled: bool) -> Any:
 
 
 def describe(tr: Trainer) -> str:
-    n = sum(p.numel() for p in tr.raw_model.parameters())
+    n = tr.n_params
     amp = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[tr.amp_dtype]
     return (f"model {n / 1e6:.2f}M params on {tr.device} x {tr.world} ({tr.strategy}); global batch "
             f"{tr.spec.train.global_batch_size} = micro {tr.micro} x accum {tr.accum} x {tr.world} ranks; "
@@ -461,10 +519,16 @@ def _log_eval(tr: Trainer, metrics: MetricsWriter) -> None:
 
 
 def save_final_model(ctx: Context, tr: Trainer) -> Path:
+    """A plain Hugging Face model (loads without DeepSpeed), written by rank 0, renamed when complete."""
     out = ctx.run_dir / "model"
+    state_dict = tr.ds.consolidated_state_dict(tr.raw_model) if tr.ds is not None else None  # collective
     if ctx.is_main:
         tmp = ctx.run_dir / "model.tmp"
-        tr.raw_model.save_pretrained(tmp, safe_serialization=True)
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tr.raw_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if hasattr(tr.tokenizer, "save_pretrained"):
             tr.tokenizer.save_pretrained(tmp)
         if out.exists():

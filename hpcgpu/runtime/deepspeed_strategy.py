@@ -1,0 +1,152 @@
+"""DeepSpeed (ZeRO 0-3, CPU offload) from the spec, on the process group the entrypoint already built.
+
+No ssh, no hostfile, no `deepspeed` launcher: every rank is started by srun / the local executor /
+torchrun, and `deepspeed.initialize` joins the existing torch.distributed group.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.runtime.checkpoint import Payload
+from hpcgpu.spec import Spec
+
+log = logging.getLogger("hpcgpu")
+
+DS_TAG = "deepspeed"  # the engine's own folder inside step-N/
+
+# keys we derive from the spec; a user JSON may repeat them only with the same value (or "auto")
+DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+           "gradient_clipping", "zero_optimization.stage", "bf16.enabled", "fp16.enabled")
+
+
+def import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError:
+        raise HpcgpuError("distributed.strategy: deepspeed needs the deepspeed package: "
+                          "pip install 'hpcgpu[deepspeed]'") from None
+    return deepspeed
+
+
+def generated_config(spec: Spec, world: int, micro: int, accum: int, amp_dtype: torch.dtype | None) -> dict:
+    ds = spec.distributed.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # a consolidated model at the end
+    cfg: dict[str, Any] = {
+        "train_batch_size": micro * accum * world,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": spec.train.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": amp_dtype == torch.bfloat16},
+        "fp16": {"enabled": amp_dtype == torch.float16},
+        # our torch AdamW (fused on GPU) also under offload: no JIT build of DeepSpeed's CPU Adam
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return cfg
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def merged_config(spec: Spec, generated: dict) -> dict:
+    """The generated config with the user's JSON merged in; a contradiction is an error, not an override."""
+    path = spec.distributed.deepspeed.config
+    if not path:
+        return generated
+    try:
+        user = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise HpcgpuError(f"distributed.deepspeed.config: {path} not found") from None
+    except json.JSONDecodeError as exc:
+        raise HpcgpuError(f"distributed.deepspeed.config: {path} is not JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(user, dict):
+        raise HpcgpuError(f"distributed.deepspeed.config: {path} must hold a JSON object")
+    for key in DERIVED:
+        theirs, ours = _get(user, key), _get(generated, key)
+        if theirs not in (None, "auto") and theirs != ours:
+            raise HpcgpuError(f"distributed.deepspeed.config: {path} sets {key}={theirs!r} but the spec gives "
+                              f"{ours!r}; change the spec (train.*, distributed.deepspeed.*) or drop the key")
+    user = {k: v for k, v in user.items() if v != "auto"}
+    return _merge(generated, user)
+
+
+class DeepSpeedRun:
+    """The engine plus what it needs alive (transformers' ZeRO-3 hook) for the life of the run."""
+
+    def __init__(self, config: dict):
+        self.deepspeed = import_deepspeed()
+        self.config = config
+        self.hf_hook: Any = None
+        self.engine: Any = None
+        if torch.distributed.is_initialized():
+            # deepspeed.comm adopts our process group (no MPI discovery, no launcher); ZeRO-3's
+            # partitioning at model creation reads the world size from it
+            self.deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
+                                            auto_mpi_discovery=False)
+
+    def before_model(self) -> None:
+        """For ZeRO-3, transformers must see the config before the model is built, so that
+        from_config/from_pretrained partition parameters at creation (a bare zero.Init around
+        from_config gives wrong initial weights)."""
+        if self.config["zero_optimization"]["stage"] == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self.hf_hook = HfDeepSpeedConfig(self.config)
+
+    def initialize(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler) -> Any:
+        engine, _, _, _ = self.deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=self.config, dist_init_required=False)
+        self.engine = engine
+        return engine
+
+    def consolidated_state_dict(self, raw_model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Full weights for save_pretrained (rank 0 gets them; collective under ZeRO-3)."""
+        if self.config["zero_optimization"]["stage"] == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return {k: v for k, v in raw_model.state_dict().items()}
+
+
+class DeepSpeedPayload(Payload):
+    """The engine's own checkpoint (module, ZeRO-partitioned optimizer, scheduler) in step-N/deepspeed/."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def write(self, path: Path) -> None:
+        self.engine.save_checkpoint(str(path), tag=DS_TAG, save_latest=False)
+
+    def read(self, path: Path) -> None:
+        load_path, _ = self.engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+                                                   load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / DS_TAG}")
