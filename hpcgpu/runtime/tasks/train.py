@@ -89,7 +89,8 @@ def fetch_batch(blocks: torch.Tensor, idx: torch.Tensor, device: torch.device) -
 
 # ---------------------------------------------------------------- model
 
-def build_model(spec: Spec, seed: int) -> torch.nn.Module:
+def build_model(spec: Spec, seed: int, device: torch.device | None = None) -> torch.nn.Module:
+    """The model with its initial weights; built on `device` (a GPU: no slow CPU init of big models)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
@@ -106,7 +107,8 @@ def build_model(spec: Spec, seed: int) -> torch.nn.Module:
         config = AutoConfig.for_model(model_type, **cfg)
     except (ValueError, TypeError) as exc:
         raise HpcgpuError(f"model.config: {exc}") from None
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype) if dtype else model
 
 
@@ -190,7 +192,9 @@ class Trainer:
         self.schedule = BatchSchedule(len(self.train_blocks), t.global_batch_size, t.seed, ctx.rank,
                                       self.world, self.micro)
         self.ds = self._deepspeed_run()
-        self.raw_model = build_model(spec, t.seed)
+        zero3 = self.ds is not None and self.ds.config["zero_optimization"]["stage"] == 3
+        on_gpu = self.device if self.device.type == "cuda" and not zero3 else None  # ZeRO-3 places it
+        self.raw_model = build_model(spec, t.seed, on_gpu)
         if self.ds is None:
             self.raw_model = self.raw_model.to(self.device)
         self._check_vocab()
@@ -439,8 +443,9 @@ class StepLog:
         tok_s = self.tokens_per_step * steps / dt if dt > 0 else 0.0
         mfu = tok_s * tr.flops_per_token / (self.peak * tr.world) if self.peak else None
         lr = tr.last_lr
+        peak_mem = torch.cuda.max_memory_allocated(tr.device) / 2**30 if tr.device.type == "cuda" else None
         self.metrics.write("train", step=tr.step, loss=loss, lr=lr, ms_per_step=ms, tokens_per_s=tok_s,
-                           tokens=tr.tokens_seen, mfu=mfu)
+                           tokens=tr.tokens_seen, mfu=mfu, peak_mem_gib=peak_mem)
         msg = (f"step {tr.step:>6}/{tr.spec.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                f"{ms:8.1f} ms/step | {tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
         if self.bar is not None:
