@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# All GPU checks of a session in one call (the device machine has torch/transformers, not hpcgpu):
-#   tests/gpu, the train-throughput benchmark (1 and 2 GPUs) and the checkpoint benchmark.
-# Output files go to $OUT when set.
+# All GPU checks of a session, in two phases that each fit one device call (10 min):
+#   phase 1: tests/gpu, the checkpoint benchmark, train throughput (hpcgpu vs torchrun) for $BENCH_GPUS
+#   phase 2: DeepSpeed vs DDP (2 GPUs), then width checks (benchmarks/four_gpus.py) when 4+ GPUs
+# The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/hpcgpu-gpu-out}"; mkdir -p "$OUT"
+phase="${1:-1}"
+ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/gpus.txt"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpus.txt"
 step() { echo "=== $*"; "$@"; echo "=== exit $?"; }
-step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/gpu_tests.log"
-step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 3 2>&1 | grep -v Warning | tail -8 | tee "$OUT/checkpoint.log"
-step python3 benchmarks/train_throughput.py --gpus "${BENCH_GPUS:-1,2}" 2>&1 | tail -20 | tee "$OUT/train_throughput.log"
+if [ "$phase" = 1 ]; then
+  step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs -s 2>&1 | grep -vE "Warning|warn\(" | tail -40 | tee "$OUT/gpu_tests.log"
+  step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 4 2>&1 | grep -v Warning | tail -8 | tee "$OUT/checkpoint.log"
+  gpus="${BENCH_GPUS:-1,2}"; [ "$ngpu" -ge 4 ] && gpus="${BENCH_GPUS:-1,2,4}"
+  step python3 benchmarks/train_throughput.py --gpus "$gpus" 2>&1 | tail -20 | tee "$OUT/train_throughput.log"
+else
+  step python3 benchmarks/deepspeed_bench.py --gpus 2 --steps 16 2>&1 | tail -20 | tee "$OUT/deepspeed_bench.log"
+  if [ "$ngpu" -ge 4 ]; then
+    step python3 benchmarks/four_gpus.py --gpus "$ngpu" --subset "$( [ "$ngpu" -ge 8 ] && echo 0,1,4,7 || echo 0,2,3 )" 2>&1 | tail -12 | tee "$OUT/four_gpus.log"
+  fi
+fi

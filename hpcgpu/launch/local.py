@@ -69,6 +69,7 @@ def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus
                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)  # a local run inside an allocation must not look like its parent job
     if gpus:
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # device ids mean what nvidia-smi/NVML show
         chosen = ",".join(gpus[:world])
         env.update({"CUDA_VISIBLE_DEVICES": chosen, "SLURM_JOB_GPUS": chosen, "SLURM_GPUS_ON_NODE": str(world)})
     env.update(spec.env)
