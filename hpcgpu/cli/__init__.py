@@ -23,6 +23,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("hpcgpu.cli.jobs:cancel", "Cancel a job, an array task or a local job."),
     "run": ("hpcgpu.cli.run:run", "The in-job entrypoint (one process per GPU)."),
     "schema": ("hpcgpu.cli.schema:schema", "Print the JSON Schema of the spec (for editors)."),
+    "hw": ("hpcgpu.cli.hw:hw", "GPUs (busy or free), CPUs and RAM here; recommended settings for a spec."),
+    "estimate": ("hpcgpu.cli.estimate:estimate_cmd", "GPU memory per rank for a spec under each strategy; what fits."),
+    "report": ("hpcgpu.cli.report:report", "PNG and summary of a run: loss, tokens/s, GPU utilization/memory/power."),
 }
 
 

@@ -182,7 +182,7 @@ class CheckpointManager:
         torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
         meta = dict(meta, step=step, world_size=self.world_size, time=time.time())
         if use_async:
-            fut = payload.write_async(tmp, self._stager_kwargs())
+            fut = self._write_async(payload, tmp)
             self._pending = (fut, tmp, step, meta)
         else:
             payload.write(tmp)
@@ -191,6 +191,20 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
+
+    def _write_async(self, payload: Payload, tmp: Path) -> Future:
+        options = self._stager_kwargs()
+        try:
+            return payload.write_async(tmp, options)
+        except (KeyError, TypeError, RuntimeError) as exc:
+            if not options:
+                raise
+            # some torch releases' pinned stager cannot copy every optimizer state value; the
+            # default staging still saves asynchronously, only with a slower copy to host memory
+            log.warning(f"pinned checkpoint staging failed ({exc.__class__.__name__}: {exc}); "
+                        "using torch's default staging")
+            self._stager = False
+            return payload.write_async(tmp, {})
 
     def _stager_kwargs(self) -> dict[str, Any]:
         """Stage GPU tensors into pinned host buffers that are kept between saves: the training

@@ -36,6 +36,15 @@ def meta(help: str, *, min: float | None = None, max: float | None = None, patte
 
 
 @dataclass(frozen=True)
+class Busy:
+    memory_pct: float = field(default=10.0, metadata=meta(
+        "a GPU with more than this % of its memory used counts as busy", min=0, max=100))
+    util_pct: float = field(default=10.0, metadata=meta(
+        "a GPU with more than this % utilization counts as busy", min=0, max=100))
+    processes: bool = field(default=True, metadata=meta("a GPU running any compute process counts as busy"))
+
+
+@dataclass(frozen=True)
 class Resources:
     nodes: int = field(default=1, metadata=meta("number of nodes", min=1))
     gpus: int = field(default=1, metadata=meta("GPUs per node; one task (rank) per GPU", min=1))
@@ -51,6 +60,8 @@ class Resources:
     devices: Optional[str] = field(default=None, metadata=meta(
         "local GPU indices to use, e.g. \"0,1,4,7\" (local executor and queue)", pattern=DEVICES_RE,
         fmt="comma-separated GPU indices like 0,1,4,7"))
+    busy: Busy = field(default_factory=Busy, metadata=meta(
+        "when a local GPU counts as busy (hpcgpu hw, local executor warnings)"))
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,12 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class Monitor:
+    enabled: bool = field(default=True, metadata=meta("record GPU utilization, memory, power to gpu.jsonl"))
+    interval_s: float = field(default=5.0, metadata=meta("seconds between GPU samples", min=0.1))
+
+
+@dataclass(frozen=True)
 class Spec:
     name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
     task: Literal["train", "infer", "command", "callable"] = field(default="train", metadata=meta("what runs"))
@@ -159,6 +176,7 @@ class Spec:
     data: Data = field(default_factory=Data, metadata=meta("the data (task: train)"))
     train: Train = field(default_factory=Train, metadata=meta("the training loop (task: train)"))
     checkpoint: Checkpoint = field(default_factory=Checkpoint, metadata=meta("checkpoints and resume"))
+    monitor: Monitor = field(default_factory=Monitor, metadata=meta("GPU sampling inside the job (gpu.jsonl)"))
     command: Optional[list[str]] = field(default=None, metadata=meta(
         "argv of the user's program, started once per rank (task: command)"))
     entry: Optional[str] = field(default=None, metadata=meta(

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
 from hpcgpu.runtime.metrics import MetricsWriter
@@ -560,6 +561,20 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
 
 
+def auto_tune(ctx: Context, spec: Spec) -> Spec:
+    """train.micro_batch_size / distributed.strategy: auto, from the memory estimate for this GPU."""
+    if ctx.device.type != "cuda" or "auto" not in (spec.train.micro_batch_size, spec.distributed.strategy):
+        return spec  # on CPU the resolve_* rules above decide, as before
+    from hpcgpu.gpu.estimate import count_params
+    from hpcgpu.gpu.recommend import apply_recommendation, recommend_for_job
+
+    n_params, config = count_params(spec)  # meta device: no weights
+    gpu_bytes = torch.cuda.get_device_properties(ctx.device).total_memory
+    rec = recommend_for_job(spec, n_params, config, gpu_bytes, ctx.world_size)
+    (log.info if rec.fits else log.warning)(f"auto settings: {rec.summary()}; {rec.reason}")
+    return apply_recommendation(spec, rec)
+
+
 def run_train(spec: Spec, spec_path: Path) -> int:
     from hpcgpu.runtime.requeue import EXIT_STOPPED, is_finished, mark_finished, requeue, stop_reason
 
@@ -569,13 +584,16 @@ def run_train(spec: Spec, spec_path: Path) -> int:
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
         quiet_libraries(ctx)
+        spec = auto_tune(ctx, spec)
         metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl", enabled=ctx.is_main)
         try:
             tr = Trainer(ctx, spec)
             log.info(describe(tr))
             resume(ctx, tr, metrics)
             tr.start_step = tr.step
-            outcome = train_loop(ctx, tr, metrics)
+            with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
+                            enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
+                outcome = train_loop(ctx, tr, metrics)
             if outcome == "stopped":
                 reason = stop_reason(spec, ctx.env)
                 metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)

@@ -1,0 +1,159 @@
+"""`hpcgpu hw [SPEC]`: the GPUs, CPUs and RAM seen here, which GPUs are busy, and settings for SPEC.
+
+Light on purpose: pynvml and psutil only (no torch), so it answers in a fraction of a second on a
+login node. A machine without an NVIDIA driver is a normal answer ("no GPUs"), exit 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hpcgpu.cli.options import gpus_option, nodes_option, read_spec, set_option
+from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, busy_warnings, select
+from hpcgpu.gpu.estimate import fmt_bytes
+from hpcgpu.gpu.readings import GpuReading, default_source
+from hpcgpu.gpu.recommend import Recommendation, recommend_for_job
+from hpcgpu.spec import Spec
+
+GiB = 1 << 30
+
+
+def host_info() -> dict[str, Any]:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": {"cores": psutil.cpu_count(logical=False), "threads": psutil.cpu_count(logical=True),
+                    "usable": usable},  # usable: what this process may run on (SLURM's cgroup, taskset)
+            "memory": {"total": vm.total, "available": vm.available}}
+
+
+def light_model_config(spec: Spec) -> dict[str, Any] | None:
+    """The model config without transformers: the spec's mapping, or config.json of a local model dir."""
+    if spec.model.config:
+        return dict(spec.model.config)
+    path = Path(spec.model.name_or_path or "") / "config.json"
+    if spec.model.name_or_path and path.is_file():
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def spec_recommendation(spec: Spec, chosen: list[GpuReading]) -> tuple[Recommendation | None, str]:
+    if spec.task != "train":
+        return None, f"task: {spec.task} has no batch or strategy to tune"
+    cfg = light_model_config(spec)
+    if cfg is None:
+        return None, "model size unknown without loading transformers: `hpcgpu estimate SPEC` counts it"
+    gpu_total = min((r.memory_total for r in chosen), default=None)
+    try:
+        rec = recommend_for_job(spec, None, cfg, gpu_total, spec.world_size)
+    except HpcgpuError as exc:  # a config that leaves sizes to transformers' defaults: estimate knows them
+        return None, f"{exc}; `hpcgpu estimate SPEC` reads the full config"
+    return rec, "parameters counted from the config alone: approximate outside GPT-2/Llama families"
+
+
+def thresholds(spec: Spec | None, memory: float | None, util: float | None, ignore_processes: bool) -> BusyThresholds:
+    base = BusyThresholds.from_spec(spec.resources.busy) if spec else BusyThresholds()
+    return BusyThresholds(base.memory_pct if memory is None else memory, base.util_pct if util is None else util,
+                          base.processes and not ignore_processes)
+
+
+def gpu_row(r: GpuReading, th: BusyThresholds) -> dict[str, Any]:
+    reasons = busy_reasons(r, th)
+    return {**r.to_dict(), "memory_used_pct": round(r.memory_used_pct, 1), "busy": bool(reasons),
+            "busy_reasons": reasons}
+
+
+def _proc_text(r: GpuReading) -> str:
+    if not r.processes:
+        return "-"
+    return ", ".join(f"{p.pid} {p.name or '?'}" + (f" ({fmt_bytes(p.used_bytes)})" if p.used_bytes else "")
+                     for p in r.processes)
+
+
+def _opt(v: float | None, spec: str, unit: str = "") -> str:
+    return "-" if v is None else format(v, spec) + unit
+
+
+def print_text(info: dict[str, Any], chosen: list[GpuReading], th: BusyThresholds) -> None:
+    if not info["nvml"]:
+        click.echo("GPUs: none: no NVIDIA driver (NVML) on this machine")
+    else:
+        click.echo(f"GPUs: {len(chosen)} ({info['selection']}), NVIDIA driver {info['driver']}")
+        click.echo(f"  {'gpu':>3}  {'name':<24} {'cc':<4} {'memory used / total':>24} {'util':>5} {'temp':>5} "
+                   f"{'power / limit':>13}  state  processes")
+        for r in chosen:
+            reasons = busy_reasons(r, th)
+            mem = f"{r.memory_used / GiB:.1f} / {r.memory_total / GiB:.1f} GiB ({r.memory_used_pct:.0f}%)"
+            cc = ".".join(map(str, r.compute_capability)) if r.compute_capability else "-"
+            power = f"{_opt(r.power_draw, '.0f')} / {_opt(r.power_limit, '.0f')} W"
+            click.echo(f"  {r.index:>3}  {r.name[:24]:<24} {cc:<4} {mem:>24} {_opt(r.utilization, '.0f', '%'):>5} "
+                       f"{_opt(r.temperature, '.0f', 'C'):>5} {power:>13}  {'BUSY ' if reasons else 'free '}  "
+                       f"{_proc_text(r)}" + (f"  [{', '.join(reasons)}]" if reasons else ""))
+    cpu, mem = info["cpu"], info["memory"]
+    click.echo(f"CPUs: {cpu['cores']} cores ({cpu['threads']} threads), {cpu['usable']} usable here; "
+               f"RAM {mem['total'] / GiB:.1f} GiB, {mem['available'] / GiB:.1f} GiB available")
+
+
+def print_recommendation(spec: Spec, rec: Recommendation | None, note: str, chosen: list[GpuReading]) -> None:
+    click.echo(f"Recommended for {spec.name} ({spec.world_size} rank(s), global batch {spec.train.global_batch_size}, "
+               f"seq_len {spec.data.seq_len}):")
+    if rec is None:
+        click.echo(f"  {note}")
+        return
+    if not chosen:
+        click.echo("  no GPU here: these are the CPU defaults; `hpcgpu estimate SPEC --gpu-memory 80G` checks a GPU")
+    click.echo(f"  {rec.summary()}" + ("" if rec.fits else "  (DOES NOT FIT)"))
+    click.echo(f"  why: {rec.reason}")
+    click.echo(f"  ({note})")
+
+
+@click.command()
+@click.argument("spec_file", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
+@set_option
+@gpus_option
+@nodes_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--devices", default=None, metavar="0,1,4,7",
+              help="Only these GPU indices (overrides resources.devices).")
+@click.option("--busy-memory", type=click.FloatRange(0, 100), default=None, metavar="PCT",
+              help="Busy above this % of memory used [resources.busy.memory_pct, 10].")
+@click.option("--busy-util", type=click.FloatRange(0, 100), default=None, metavar="PCT",
+              help="Busy above this % utilization [resources.busy.util_pct, 10].")
+@click.option("--ignore-processes", is_flag=True, help="A compute process alone does not make a GPU busy.")
+def hw(spec_file: str | None, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, as_json: bool,
+       devices: str | None, busy_memory: float | None, busy_util: float | None, ignore_processes: bool) -> None:
+    """GPUs (memory, utilization, power, processes, busy or free), CPUs and RAM here; with SPEC, the
+    micro batch, accumulation, loader workers and strategy that fit it on these GPUs."""
+    if not spec_file and (overrides or gpus or nodes):
+        raise UsageError("--set/--gpus/--nodes need a SPEC")
+    if devices is not None and not all(d.strip().isdigit() for d in devices.split(",")):
+        raise UsageError(f"--devices: {devices!r} is not a list of GPU indices like 0,1,4,7")
+    spec = read_spec(spec_file, overrides, gpus, nodes) if spec_file else None
+    th = thresholds(spec, busy_memory, busy_util, ignore_processes)
+    source = default_source()
+    nvml = source.available()
+    readings = source.read() if nvml else []
+    chosen, selection = select(readings, devices or (spec.resources.devices if spec else None),
+                               os.environ.get("CUDA_VISIBLE_DEVICES"))
+    warnings = busy_warnings(chosen, th) if selection != "all GPUs" else []
+    info = {"nvml": nvml, "driver": source.driver_version() if nvml else None, "selection": selection,
+            "thresholds": th.__dict__, "gpus": [gpu_row(r, th) for r in chosen], **host_info(), "warnings": warnings}
+    rec, note = spec_recommendation(spec, chosen) if spec else (None, "")
+    if as_json:
+        info["recommendation"] = {**rec.__dict__, "note": note} if rec else None
+        click.echo(json.dumps(info, indent=2))
+    else:
+        print_text(info, chosen, th)
+        if spec:
+            print_recommendation(spec, rec, note, chosen)
+    for w in warnings:
+        click.echo(f"hpcgpu: warning: {w}", err=True)

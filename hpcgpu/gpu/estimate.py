@@ -1,0 +1,262 @@
+"""GPU memory per rank for training a causal LM, by strategy: a model you can check by hand.
+
+Model states (Psi = parameter count), per GPU, world size N:
+  ddp    (hpcgpu's trainer: fp32 params, bf16 autocast, fused AdamW)
+         weights 4 Psi, grads 4 Psi, Adam m+v 8 Psi; buffers: DDP's gradient buckets 4 Psi when N > 1
+         and the bf16 copies autocast makes of the weights and keeps for backward, 2 Psi
+  ZeRO   (DeepSpeed bf16: bf16 params and grads, fp32 master + m + v = 12 Psi; Rajbhandari et al. 2020)
+         stage 1: 2 Psi + 2 Psi + 12 Psi/N      stage 2: 2 Psi + 2 Psi/N + 12 Psi/N
+         stage 3: 16 Psi/N + the gathered working set (two layers and the embedding in bf16)
+         offload_optimizer moves the fp32 states and grads (16 Psi/N) to host RAM; offload_params the
+         bf16 weights too; ZeRO-1/2 add reduce/all-gather buckets (2 x min(Psi, 5e8) bf16 values)
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16, no recomputation):
+  per layer  s*b*h*(34 + 5*a*s/h) bytes; the 5as/h term (the attention matrix) is gone with
+             flash/SDPA attention, which never stores it
+  logits     b*s*V*(2 + 4 + 4) bytes: bf16 logits, their fp32 copy, fp32 log-softmax (HF's loss)
+  The 34 assumes fused kernels: it holds for the compiled step (torch.compile, the trainer's default on
+  GPU). An eager Hugging Face block under autocast keeps far more: the residual stream and LayerNorm
+  inputs in fp32, tanh-GELU's intermediates in fp32 (pow/tanh autocast to fp32), about 88 sbh counted
+  op by op for GPT-2; we use ACT_PER_LAYER_EAGER = 90 when the step is not compiled, and under
+  DeepSpeed, which hpcgpu runs uncompiled (there bf16 weights keep the residual in bf16: a bound).
+  Estimate vs torch.cuda.max_memory_allocated, GPT-2 124M / 350M, micro 8, seq 1024, accumulation 2:
+  hpcgpu's trainer, compiled, H200: +6.4% / -5.4% (tests/gpu/test_gpu_layer.py); a plain loop on an
+  H100 (benchmarks/estimate_vs_measured.py): compiled +19% / -5%, eager -7% / -3% (90 was fitted to
+  these eager runs); an eager 86M model (vocab 256: all per-layer) at micro 32 on 2 H200s: -3%.
+A GPU's usable memory is its total less the CUDA context and allocator slack (USABLE_* below).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hpcgpu.errors import HpcgpuError
+
+GiB = 1 << 30
+ACT_PER_LAYER = 34  # Korthikanti's sbh coefficient (fused kernels: a compiled step)
+ACT_PER_LAYER_EAGER = 90  # eager HF block under bf16 autocast (see above)
+ATTN_SCORES = 5  # the as^2b coefficient, only where attention scores are stored (eager attention)
+LOGITS_BYTES = 2 + 4 + 4
+ZERO_BUCKET_ELEMS = 500_000_000  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
+USABLE_FRACTION = 0.95  # allocator fragmentation
+USABLE_RESERVE = GiB  # CUDA context, cuBLAS/NCCL workspaces
+
+# model families whose MLP is gated (3 matrices) / whose linears have biases / learned positions
+GATED = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo",
+         "olmo2", "granite", "cohere", "smollm3"}
+BIASED = {"gpt2", "gpt_neo", "gpt_neox", "gptj", "opt", "bloom", "gpt_bigcode", "codegen", "phi", "starcoder2"}
+LEARNED_POSITIONS = {"gpt2", "gpt_neo", "opt", "gpt_bigcode"}
+# what transformers fills in when a spec's config mapping leaves a size out (hw reads mappings without it)
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12},
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048},
+}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    n_params: int
+    n_layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    largest_param: int  # the biggest single tensor (usually the embedding): ZeRO-3 gathers it whole
+    flash_attention: bool = True  # SDPA/flash: no stored s x s attention matrix
+    compiled: bool = True  # torch.compile under DDP (train.compile: auto on a GPU); DeepSpeed runs eager
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    zero_stage: int | None  # None: DDP (or a single process)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def offload(self) -> str:
+        return "params+optimizer" if self.offload_params else "optimizer" if self.offload_optimizer else "none"
+
+
+DDP = Strategy("ddp", None)
+STRATEGIES: tuple[Strategy, ...] = (
+    DDP, Strategy("zero1", 1), Strategy("zero2", 2), Strategy("zero2+offload", 2, True),
+    Strategy("zero3", 3), Strategy("zero3+offload", 3, True), Strategy("zero3+offload-all", 3, True, True),
+)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    strategy: Strategy
+    micro_batch: int
+    weights: int
+    grads: int
+    optimizer: int
+    buffers: int
+    activations: int
+    host: int  # host RAM per rank for offloaded states
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.buffers + self.activations
+
+
+# ---------------------------------------------------------------- the model's shape
+
+def cfg_get(cfg: Any, *names: str, default: Any = None) -> Any:
+    """A config value under any of its names (HF configs: n_embd == hidden_size, ...); dict or object."""
+    for name in names:
+        value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _require(cfg: Any, *names: str) -> int:
+    value = cfg_get(cfg, *names)
+    if value is None:
+        raise HpcgpuError(f"model.config: cannot tell the model's {names[0]} (give one of {', '.join(names)})")
+    return int(value)
+
+
+def with_defaults(cfg: Any) -> Any:
+    """A config mapping completed with its family's defaults; config objects are complete already."""
+    if isinstance(cfg, Mapping):
+        return {**FAMILY_DEFAULTS.get(str(cfg.get("model_type", "")), {}), **cfg}
+    return cfg
+
+
+def _shape(cfg: Any) -> tuple[int, int, int, int, str]:
+    cfg = with_defaults(cfg)
+    return (_require(cfg, "hidden_size", "n_embd", "d_model"),
+            _require(cfg, "num_hidden_layers", "n_layer", "num_layers"),
+            _require(cfg, "num_attention_heads", "n_head"), _require(cfg, "vocab_size"),
+            str(cfg_get(cfg, "model_type", default="")))
+
+
+def analytic_params(cfg: Any) -> tuple[int, int, int]:
+    """(total, per layer, embedding) parameter counts from the config alone, no torch: for dense
+    GPT-2/Llama-style decoders exact, for other families approximate."""
+    h, layers, heads, vocab, mtype = _shape(cfg)
+    cfg = with_defaults(cfg)
+    head_dim = int(cfg_get(cfg, "head_dim", default=h // heads) or h // heads)
+    kv = int(cfg_get(cfg, "num_key_value_heads", default=heads) or heads)
+    ffn = int(cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h)
+    bias = mtype in BIASED
+    attn = 2 * h * heads * head_dim + 2 * h * kv * head_dim + (heads * head_dim * 2 + 2 * kv * head_dim if bias else 0)
+    mlp = (3 if mtype in GATED else 2) * h * ffn + (ffn + h if bias else 0)
+    norm = 2 * h if bias else h
+    layer = attn + mlp + 2 * norm
+    embed = vocab * h
+    tied = cfg_get(cfg, "tie_word_embeddings", default=mtype not in GATED)
+    positions = int(cfg_get(cfg, "n_positions", "max_position_embeddings", default=0)) * h \
+        if mtype in LEARNED_POSITIONS else 0
+    return layers * layer + embed * (1 if tied else 2) + positions + norm, layer, embed
+
+
+def dims_from_config(cfg: Any, seq_len: int, n_params: int | None = None, compiled: bool = True) -> ModelDims:
+    """ModelDims from an HF config (object or mapping); n_params exact when counted, else analytic."""
+    h, layers, heads, vocab, _ = _shape(cfg)
+    total, layer, embed = analytic_params(cfg)
+    attn_impl = cfg_get(cfg, "_attn_implementation", "attn_implementation", default="sdpa")
+    return ModelDims(n_params=int(n_params or total), n_layers=layers, hidden=h, heads=heads, vocab=vocab,
+                     seq_len=seq_len, largest_param=max(embed, layer), flash_attention=attn_impl != "eager",
+                     compiled=compiled)
+
+
+def model_config(spec: Any) -> Any:
+    """The spec's transformers config object (imports transformers)."""
+    from transformers import AutoConfig
+
+    try:
+        if spec.model.name_or_path:
+            return AutoConfig.from_pretrained(spec.model.name_or_path)
+        cfg = dict(spec.model.config or {})
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HpcgpuError(f"model: cannot build the model config: {exc}") from None
+
+
+def count_params(spec: Any) -> tuple[int, Any]:
+    """(parameter count, config) of the spec's model, built on the meta device: no weights, no GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()), config  # parameters() counts tied weights once
+
+
+# ---------------------------------------------------------------- bytes
+
+def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP) -> int:
+    s, b, h = d.seq_len, micro, d.hidden
+    coef = ACT_PER_LAYER if d.compiled and st.zero_stage is None else ACT_PER_LAYER_EAGER
+    per_layer = s * b * h * coef + (0 if d.flash_attention else ATTN_SCORES * d.heads * s * s * b)
+    return d.n_layers * per_layer + b * s * d.vocab * LOGITS_BYTES
+
+
+def state_bytes(d: ModelDims, st: Strategy, world: int) -> tuple[int, int, int, int, int]:
+    """(weights, grads, optimizer, buffers, host RAM) per rank for the model states."""
+    p, n = d.n_params, max(1, world)
+    if st.zero_stage is None:
+        return 4 * p, 4 * p, 8 * p, (4 * p if n > 1 else 0) + 2 * p, 0
+    buckets = 2 * 2 * min(p, ZERO_BUCKET_ELEMS)
+    if st.zero_stage < 3:
+        grads = 2 * p if st.zero_stage <= 1 else 2 * p // n
+        if st.offload_optimizer:
+            return 2 * p, 0, 0, buckets, 16 * p // n
+        return 2 * p, grads, 12 * p // (n if st.zero_stage else 1), buckets, 0
+    gathered = 2 * (2 * d.largest_param + 2 * (p - d.largest_param) // max(1, d.n_layers))
+    if st.offload_params:
+        return 0, 0, 0, gathered + buckets // 2, 18 * p // n
+    if st.offload_optimizer:
+        return 2 * p // n, 0, 0, gathered + buckets // 2, 16 * p // n
+    return 2 * p // n, 2 * p // n, 12 * p // n, gathered + buckets // 2, 0
+
+
+def estimate(d: ModelDims, st: Strategy, micro: int, world: int) -> MemoryEstimate:
+    w, g, o, buf, host = state_bytes(d, st, world)
+    return MemoryEstimate(st, micro, w, g, o, buf, activation_bytes(d, micro, st), host)
+
+
+def usable_bytes(gpu_total: int) -> int:
+    return int(gpu_total * USABLE_FRACTION) - USABLE_RESERVE
+
+
+def max_micro_batch(d: ModelDims, st: Strategy, world: int, gpu_total: int) -> int:
+    """The largest micro batch whose estimate fits (0: not even one sequence). Activations are linear
+    in the micro batch, so this is a division, not a search."""
+    fixed = estimate(d, st, 0, world).total
+    per_sample = activation_bytes(d, 1, st)
+    room = usable_bytes(gpu_total) - fixed
+    return max(0, room // per_sample) if per_sample else 0
+
+
+def fits(e: MemoryEstimate, gpu_total: int) -> bool:
+    return e.total <= usable_bytes(gpu_total)
+
+
+# ---------------------------------------------------------------- sizes as people write them
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'80G', '80GB', '79.6GiB', '81559M' -> bytes (binary units, as SLURM's --mem reads them); a bare
+    number is GiB (nobody means 80 bytes)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise HpcgpuError(f"--gpu-memory: {text!r} is not a size like 80G, 40GB or 81559M")
+    unit = m.group(2) or ("B" if m.group(3) else "G")
+    return int(float(m.group(1)) * 1024 ** "BKMGT".index(unit.upper()))
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB / 10 else f"{n / (1 << 20):.0f} MiB"
