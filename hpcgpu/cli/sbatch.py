@@ -19,6 +19,10 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
            output: str | None) -> None:
     """Write an sbatch script for SPEC; submit it with `sbatch FILE`."""
     spec = read_spec(spec_file, overrides, gpus, nodes)
+    if spec.sweep:
+        # one script is one job: rendering only the first point would silently drop the others
+        raise UsageError(f"the spec sweeps {', '.join(spec.sweep)}: `hpcgpu submit` runs a sweep as one job "
+                         "array; for a single script, pick values with --set and --set sweep={}")
     if output and Path(output).parent and not Path(output).parent.exists():
         raise UsageError(f"-o {output}: the folder {Path(output).parent} does not exist")
     for item in missing_inputs(spec):

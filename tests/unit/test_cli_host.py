@@ -139,3 +139,16 @@ def test_host_commands_import_nothing_heavy(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"host-side commands imported: {done.stdout.strip()}"
+
+
+def test_sbatch_refuses_a_sweep_instead_of_dropping_points(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\ntask: command\ncommand: [echo]\nsweep: {train.lr: [0.1, 0.2]}\n"
+                    f"runs_dir: {tmp_path / 'runs'}\n")
+    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "sbatch", str(spec), "-o", str(tmp_path / "j.sbatch")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "hpcgpu submit" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "j.sbatch").exists() and not (tmp_path / "runs").exists()
+    ok = subprocess.run([sys.executable, "-m", "hpcgpu", "sbatch", str(spec), "--set", "sweep={}", "-o",
+                         str(tmp_path / "j.sbatch")], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and (tmp_path / "j.sbatch").exists(), ok.stderr
