@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
+from hpcgpu.runtime.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
 EVAL_TEXT = REPO / "configs" / "data" / "pydocs-eval.txt"
@@ -139,16 +141,7 @@ class Slurm:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def _loss_log(run_dir: Path) -> dict[int, float]:
