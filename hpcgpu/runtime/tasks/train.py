@@ -404,8 +404,11 @@ def step_boundary(ctx: Context, loss_t: torch.Tensor, *flags: bool) -> tuple[flo
 
     Reading the result synchronises with the device, so the step clock that follows is real time.
     """
-    t = torch.cat([loss_t.detach().float().reshape(1),
-                   torch.tensor([1.0 if f else 0.0 for f in flags], device=loss_t.device)])
+    t = loss_t.detach().float().reshape(1).repeat(1 + len(flags))  # stays on the device
+    t[1:].zero_()
+    for i, flag in enumerate(flags):
+        if flag:  # almost never: no host-to-device copy (a pageable copy would stall the stream)
+            t[1 + i].fill_(1.0)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     values = t.tolist()
