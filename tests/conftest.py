@@ -36,3 +36,22 @@ def _private_job_registry(tmp_path_factory: pytest.TempPathFactory) -> None:
 
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     os.environ.pop("HPCGPU_REGISTRY", None)
+
+
+@pytest.fixture
+def plain_model_vocab() -> Callable[[Path], int]:
+    """plain_model_vocab(model_dir) -> the vocab size of its logits, loaded and run in a fresh
+    process that never imports DeepSpeed (an exported model must not need it)."""
+    import subprocess
+    import sys
+
+    def check(model_dir: Path) -> int:
+        code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+                f"m = AutoModelForCausalLM.from_pretrained({str(model_dir)!r}); "
+                "print(m(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape[-1]); "
+                "assert 'deepspeed' not in sys.modules")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return int(proc.stdout.strip())
+
+    return check

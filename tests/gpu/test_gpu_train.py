@@ -15,11 +15,7 @@ import yaml
 
 torch = pytest.importorskip("torch")
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs"),
-]
-two_gpus = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.two_gpus  # tests/gpu/conftest.py: gpu marker and the CUDA skips
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = REPO / "configs" / "data" / "pydocs.txt"

@@ -1,9 +1,6 @@
 """A DeepSpeed spec on the real cluster: submitted with `hpcgpu submit --gpus 2`, no ssh or hostfile."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("deepspeed")
@@ -11,7 +8,7 @@ pytestmark = pytest.mark.slurm
 
 
 @pytest.mark.parametrize("stage", [3])
-def test_deepspeed_spec_through_submit_finishes_and_exports_a_model(slurm, stage):
+def test_deepspeed_spec_through_submit_finishes_and_exports_a_model(slurm, stage, plain_model_vocab):
     doc = slurm.tiny_train(max_steps=12)
     doc["distributed"] = {"strategy": "deepspeed", "deepspeed": {"zero_stage": stage}}
     doc["checkpoint"] = {"every_steps": 5}
@@ -24,9 +21,4 @@ def test_deepspeed_spec_through_submit_finishes_and_exports_a_model(slurm, stage
     log = slurm.loss_log(run_dir)
     assert sorted(log) == list(range(1, 13)) and log[12] < log[1]
     assert (run_dir / "checkpoints" / "step-00000010" / "deepspeed").is_dir()
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
-            f"m = AutoModelForCausalLM.from_pretrained({str(run_dir / 'model')!r}); "
-            "print(m(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape[-1]); "
-            "assert 'deepspeed' not in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "256", proc.stderr[-2000:]
+    assert plain_model_vocab(run_dir / "model") == 256  # loads and runs without DeepSpeed

@@ -78,19 +78,13 @@ def zero_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("key", ["2", "3", "2o", "3o"])
-def test_zero_trains_and_exports_a_plain_model(zero_runs, key):
+def test_zero_trains_and_exports_a_plain_model(zero_runs, key, plain_model_vocab):
     run_dir = zero_runs[key]
     log = losses(run_dir)
     assert sorted(log) == list(range(1, STEPS + 1))
     assert log[1] == pytest.approx(5.545, abs=0.1)  # ~ln(256): weights initialised right under ZeRO-3 too
     assert log[STEPS] < log[1] - 0.3
-    # the exported model loads and runs without DeepSpeed in the process
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
-            f"m = AutoModelForCausalLM.from_pretrained({str(run_dir / 'model')!r}); "
-            "x = torch.randint(0, 256, (1, 16)); print(m(input_ids=x).logits.shape[-1]); "
-            "assert 'deepspeed' not in sys.modules")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "256", out.stderr[-2000:]
+    assert plain_model_vocab(run_dir / "model") == 256  # loads and runs without DeepSpeed
 
 
 def test_zero2_follows_the_ddp_loss_curve(zero_runs, ddp_run):
