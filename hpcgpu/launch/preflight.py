@@ -30,7 +30,7 @@ def check_request(spec: Spec, cluster: Cluster) -> str:
     unknown = [p for p in wanted if p not in cluster.partitions]
     if len(unknown) == len(wanted):
         raise RequestError(f"slurm.partition: no partition {', '.join(repr(p) for p in unknown)} on this "
-                           f"cluster (partitions: {', '.join(cluster.partitions) or 'none'})")
+                           f"cluster (partitions: {', '.join(sorted(cluster.partitions)) or 'none'})")
     problems = []
     for partition in wanted:
         if partition in unknown:

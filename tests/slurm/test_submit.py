@@ -152,7 +152,7 @@ def test_cancel_one_array_task(slurm):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--set", "slurm.partition=nosuch"], "slurm.partition: no partition 'nosuch' on this cluster (partitions: gpu, debug)"),
+    (["--set", "slurm.partition=nosuch"], "slurm.partition: no partition 'nosuch' on this cluster (partitions: debug, gpu)"),
     (["--gpus", "5"], "no node in partition 'gpu' has 5 GPU(s) (the most is 4"),
     (["--nodes", "3"], "3 nodes asked for, but partition 'gpu' has only 2"),
 ])
