@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # All GPU checks of a session, in two phases that each fit one device call (10 min):
 #   phase 1: tests/gpu, the checkpoint benchmark, train throughput (hpcgpu vs torchrun) for $BENCH_GPUS
-#   phase 2: DeepSpeed vs DDP (2 GPUs), then width checks (benchmarks/four_gpus.py) when 4+ GPUs
+#   phase 2: DeepSpeed vs DDP ($DS_MODELS on 2 GPUs, ZeRO-3 preempt/resume), then the width checks
+#            (benchmarks/four_gpus.py: launchers + ZeRO-2 at every width up to the GPU count; subset
+#            and preemption when 4+ GPUs)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,13 +15,19 @@ ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/gpus.txt"
 step() { echo "=== $*"; "$@"; echo "=== exit $?"; }
 if [ "$phase" = 1 ]; then
-  step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs -s 2>&1 | grep -vE "Warning|warn\(" | tail -40 | tee "$OUT/gpu_tests.log"
+  step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" | tail -40 | tee "$OUT/gpu_tests.log"
   step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 4 2>&1 | grep -v Warning | tail -8 | tee "$OUT/checkpoint.log"
   gpus="${BENCH_GPUS:-1,2}"; [ "$ngpu" -ge 4 ] && gpus="${BENCH_GPUS:-1,2,4}"
   step python3 benchmarks/train_throughput.py --gpus "$gpus" 2>&1 | tail -20 | tee "$OUT/train_throughput.log"
 else
-  step python3 benchmarks/deepspeed_bench.py --gpus 2 --steps 16 2>&1 | tail -20 | tee "$OUT/deepspeed_bench.log"
-  if [ "$ngpu" -ge 4 ]; then
-    step python3 benchmarks/four_gpus.py --gpus "$ngpu" --subset "$( [ "$ngpu" -ge 8 ] && echo 0,1,4,7 || echo 0,2,3 )" 2>&1 | tail -12 | tee "$OUT/four_gpus.log"
-  fi
+  step python3 benchmarks/deepspeed_bench.py --gpus 2 --models "${DS_MODELS:-gpt2-124m}" --steps 16 --skip 5 2>&1 \
+    | tail -20 | tee "$OUT/deepspeed_bench.log"
+  for n in 1 2 4 8; do
+    [ "$n" -le "$ngpu" ] || break
+    parts=zero2; [ "$n" -ge 2 ] && parts=launchers,zero2
+    [ "$n" -ge 4 ] && parts="launchers,zero2,subset,preempt"
+    subset=0,2,3; [ "$n" -ge 8 ] && subset=0,1,4,7
+    step python3 benchmarks/four_gpus.py --gpus "$n" --only "$parts" --subset "$subset" --steps 16 --skip 5 2>&1 \
+      | tail -12 | tee "$OUT/width_$n.log"
+  done
 fi

@@ -133,6 +133,33 @@ def as_payload(value: Payload | dict[str, Any]) -> Payload:
     return value if isinstance(value, Payload) else DcpPayload(value)
 
 
+def reusable_pinned_stager(pinned: bool = True) -> Any:
+    """A DCP stager whose host buffers live as long as the CheckpointManager.
+
+    Some torch releases (2.11 among them) close a caller's stager when an async save finishes;
+    closing empties its copy table, so the next save fails with `KeyError: <class 'type'>` and the
+    pinned buffers would be allocated again anyway. torch's close() is therefore a no-op here and
+    release() frees the buffers when the manager closes. False where this torch has no DefaultStager.
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return False
+
+    class ReusableStager(DefaultStager):
+        def close(self) -> None:
+            pass
+
+        def release(self) -> None:
+            DefaultStager.close(self)
+
+    try:
+        return ReusableStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                             use_async_staging=False, use_non_blocking_copy=pinned))
+    except TypeError:  # an older StagingOptions
+        return False
+
+
 class CheckpointManager:
     """Collective save/load of (sharded tensors, per-rank state) in the step-N layout."""
 
@@ -199,10 +226,11 @@ class CheckpointManager:
         except (KeyError, TypeError, RuntimeError) as exc:
             if not options:
                 raise
-            # some torch releases' pinned stager cannot copy every optimizer state value; the
-            # default staging still saves asynchronously, only with a slower copy to host memory
+            # a safety net for torch releases whose stager breaks on some state: the default
+            # staging still saves asynchronously, only with a slower copy to host memory
             log.warning(f"pinned checkpoint staging failed ({exc.__class__.__name__}: {exc}); "
                         "using torch's default staging")
+            self._stager.release()
             self._stager = False
             return payload.write_async(tmp, {})
 
@@ -210,16 +238,7 @@ class CheckpointManager:
         """Stage GPU tensors into pinned host buffers that are kept between saves: the training
         loop waits only for a fast device-to-host copy, the write runs in the background."""
         if self._stager is None:
-            self._stager = False
-            if torch.cuda.is_available():
-                try:
-                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                    self._stager = DefaultStager(StagingOptions(
-                        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                        use_non_blocking_copy=True))
-                except (ImportError, TypeError):  # an older torch: its default stager
-                    self._stager = False
+            self._stager = reusable_pinned_stager() if torch.cuda.is_available() else False
         return {"async_stager": self._stager} if self._stager else {}
 
     def finish_pending(self) -> None:
@@ -295,8 +314,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.finish_pending()
-        if self._stager and hasattr(self._stager, "close"):
-            self._stager.close()
+        if self._stager:
+            self._stager.release()
         self._stager = None
 
 

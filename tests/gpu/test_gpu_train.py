@@ -114,3 +114,22 @@ def test_slurm_style_one_gpu_per_task(tmp_path):
     for rank in (0, 1):
         got = json.loads((tmp_path / f"bind-{rank}.json").read_text())
         assert got["device"] == "cuda:0" and got["uuid"] == uuids[1 - rank] and got["sum"] == 3.0
+
+
+def test_async_checkpoints_stage_through_pinned_buffers_and_resume(tmp_path):
+    """Several async saves on one GPU reuse the pinned stager (no fallback to default staging), and a
+    preempted run resumes from them."""
+    spec = train_spec(1, steps=20)
+    spec["checkpoint"] = {"every_steps": 4, "async": True, "keep": 2}
+    first, run_dir = submit(spec, tmp_path, env={"HPCGPU_SIGNAL_AT": "14"})
+    assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
+    path = tmp_path / "spec.yaml"
+    again = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    logs = first.stdout + first.stderr + again.stdout + again.stderr + (run_dir / "logs" / "rank-0.log").read_text()
+    assert "checkpoint step-00000012 saved" in logs
+    assert "pinned checkpoint staging failed" not in logs
+    resume = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if '"resume"' in line]
+    assert resume and resume[-1]["checkpoint"] == "step-00000014"

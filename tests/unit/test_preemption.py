@@ -222,3 +222,24 @@ def test_async_checkpoints_resume_exactly(tmp_path, baseline):
     second = submit(spec)
     assert second.returncode == 0, second.stderr[-2000:]
     assert_same_result(run_dir, baseline)
+
+
+def test_staging_buffers_survive_torch_closing_the_stager(tmp_path):
+    """torch 2.11's async_save closes a caller's stager after each save; the next save must still
+    stage (into the same host buffers) and write a checkpoint that loads back."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hpcgpu.runtime.checkpoint import reusable_pinned_stager
+
+    stager = reusable_pinned_stager(pinned=False)
+    state = {"w": torch.arange(6.0), "opt": {"param_groups": [{"lr": 0.1, "params": [0]}]}}
+    for step in (1, 2):
+        state["w"] += 1
+        stager.close()  # what such a torch does once the previous upload completes
+        fut = dcp.async_save(state, checkpoint_id=str(tmp_path / f"s{step}"), async_stager=stager)
+        getattr(fut, "upload_completion", fut).result()
+    loaded = {"w": torch.zeros(6), "opt": {"param_groups": [{"lr": 0.0, "params": [0]}]}}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "s2"))
+    assert torch.equal(loaded["w"], torch.arange(6.0) + 2)
+    stager.release()
