@@ -49,6 +49,13 @@ def spec(tmp: Path, name: str, gpus: int, steps: int, strategy: str = "ddp", com
     return path
 
 
+def checked(result: tuple[int, Path | None, str], what: str) -> tuple[int, Path | None, str]:
+    """A failed run is a figure of nan in the table and its output tail on stderr, never silence."""
+    if result[0] != 0:
+        print(f"{what} failed with exit {result[0]}:\n{result[2][-1500:]}", file=sys.stderr)
+    return result
+
+
 def slurm_style(spec_path: Path, gpus: int, run_dir: Path) -> int:
     """One `hpcgpu run` per GPU with the variables srun would set (all GPUs visible to each task)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +105,7 @@ def main() -> None:
         tmp = Path(tmp_s)
         if "launchers" in only:
             p = spec(tmp, "local", args.gpus, args.steps)
-            code, run_dir, tail = submit(p, "--new")
+            code, run_dir, tail = checked(submit(p, "--new"), "local executor run")
             local = summarize(run_dir, args.skip)["tok_s"] if code == 0 and run_dir else float("nan")
             sdir = tmp / "slurm-style"
             code2 = slurm_style(p, args.gpus, sdir)
@@ -109,8 +116,8 @@ def main() -> None:
         if "zero2" in only:
             res = {}
             for strat in ("ddp", "zero2"):
-                code, run_dir, tail = submit(spec(tmp, f"w-{strat}", args.gpus, args.steps, strat, compile_=False),
-                                             "--new")
+                code, run_dir, tail = checked(submit(spec(tmp, f"w-{strat}", args.gpus, args.steps, strat,
+                                                          compile_=False), "--new"), f"{strat} run")
                 res[strat] = summarize(run_dir, args.skip) if code == 0 and run_dir else {"tok_s": float("nan"),
                                                                                           "peak_gib": 0}
             out["zero2"] = {k: {"tok_s": v["tok_s"], "peak_gib": v["peak_gib"]} for k, v in res.items()}

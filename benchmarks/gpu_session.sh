@@ -15,19 +15,19 @@ ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/gpus.txt"
 step() { echo "=== $*"; "$@"; echo "=== exit $?"; }
 if [ "$phase" = 1 ]; then
-  step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" | tail -40 | tee "$OUT/gpu_tests.log"
-  step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 4 2>&1 | grep -v Warning | tail -8 | tee "$OUT/checkpoint.log"
+  step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" | tee "$OUT/gpu_tests.log" | tail -40
+  step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 4 2>&1 | grep -v Warning | tee "$OUT/checkpoint.log" | tail -8
   gpus="${BENCH_GPUS:-1,2}"; [ "$ngpu" -ge 4 ] && gpus="${BENCH_GPUS:-1,2,4}"
-  step python3 benchmarks/train_throughput.py --gpus "$gpus" 2>&1 | tail -20 | tee "$OUT/train_throughput.log"
+  step python3 benchmarks/train_throughput.py --gpus "$gpus" 2>&1 | tee "$OUT/train_throughput.log" | tail -20
 else
   step python3 benchmarks/deepspeed_bench.py --gpus 2 --models "${DS_MODELS:-gpt2-124m}" --steps 16 --skip 5 2>&1 \
-    | tail -20 | tee "$OUT/deepspeed_bench.log"
+    | tee "$OUT/deepspeed_bench.log" | tail -20
   for n in 1 2 4 8; do
     [ "$n" -le "$ngpu" ] || break
     parts=zero2; [ "$n" -ge 2 ] && parts=launchers,zero2
     [ "$n" -ge 4 ] && parts="launchers,zero2,subset,preempt"
     subset=0,2,3; [ "$n" -ge 8 ] && subset=0,1,4,7
     step python3 benchmarks/four_gpus.py --gpus "$n" --only "$parts" --subset "$subset" --steps 16 --skip 5 2>&1 \
-      | tail -12 | tee "$OUT/width_$n.log"
+      | tee "$OUT/width_$n.log" | tail -12
   done
 fi

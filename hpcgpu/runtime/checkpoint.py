@@ -134,12 +134,13 @@ def as_payload(value: Payload | dict[str, Any]) -> Payload:
 
 
 def reusable_pinned_stager(pinned: bool = True) -> Any:
-    """A DCP stager whose host buffers live as long as the CheckpointManager.
+    """A DCP stager whose pinned host buffers live as long as the CheckpointManager.
 
-    Some torch releases (2.11 among them) close a caller's stager when an async save finishes;
-    closing empties its copy table, so the next save fails with `KeyError: <class 'type'>` and the
-    pinned buffers would be allocated again anyway. torch's close() is therefore a no-op here and
-    release() frees the buffers when the manager closes. False where this torch has no DefaultStager.
+    torch 2.11's DefaultStager closes its inner StateDictStager at the end of every stage(): that
+    drops the cached buffers (each save would pin 1.6 GB again) and empties the copy table, so the
+    second save fails with `KeyError: <class 'type'>`; some releases also close a caller's stager
+    after the upload. Both closes are no-ops here; release() frees the buffers when the manager
+    closes. False where this torch has no DefaultStager.
     """
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -147,10 +148,18 @@ def reusable_pinned_stager(pinned: bool = True) -> Any:
         return False
 
     class ReusableStager(DefaultStager):
+        def __init__(self, options: Any):
+            super().__init__(options)
+            inner = getattr(self, "_state_dict_stager", None)
+            self._release_inner = inner.close if inner is not None else (lambda: None)
+            if inner is not None:
+                inner.close = lambda: None
+
         def close(self) -> None:
             pass
 
         def release(self) -> None:
+            self._release_inner()
             DefaultStager.close(self)
 
     try:

@@ -35,16 +35,22 @@ def select_device(env: DistEnv) -> torch.device:
 
 
 def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device) -> None:
-    """Start the process group (nccl on GPU, gloo on CPU) unless the job has one rank."""
+    """Start the process group (nccl on GPU, gloo on CPU) unless the job has one rank and no
+    DeepSpeed (whose engine needs a group even alone: a one-rank group on an in-memory store)."""
     export_rendezvous(env, spec)
-    if not env.distributed or dist.is_initialized():
+    alone_in_deepspeed = spec is not None and spec.distributed.strategy == "deepspeed" and not env.distributed
+    if not (env.distributed or alone_in_deepspeed) or dist.is_initialized():
         return
     timeout_s = int(os.environ.get("HPCGPU_PG_TIMEOUT_S", spec.distributed.nccl.timeout_s if spec else 600))
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to our GPU up front: no guessing, no extra context
-    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+    if alone_in_deepspeed:
+        kwargs["store"] = dist.HashStore()  # no rendezvous, no port to collide with another job
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     log.debug("process group %s: rank %d/%d via %s:%s", backend, env.rank, env.world_size,
               env.master_addr, env.master_port)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import string
 import subprocess
 import sys
 import time
@@ -97,13 +95,6 @@ def test_a_gpu_holding_memory_is_busy_the_other_is_not():
     assert not idle["busy"], idle
 
 
-def random_text(path: Path, n_bytes: int) -> Path:
-    if not path.exists():
-        rng = random.Random(0)
-        path.write_text("".join(rng.choices(string.ascii_letters + string.digits + " .,\n", k=n_bytes)))
-    return path
-
-
 def submit(spec: dict, tmp: Path, name: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
     spec = {"runs_dir": str(tmp / "runs"), **spec, "name": name}
     path = tmp / f"{name}.yaml"
@@ -150,26 +141,12 @@ def test_two_gpu_run_writes_gpu_jsonl(tmp_path):
     assert report.returncode == 0 and "gpu 1" in report.stdout, report.stderr
 
 
-def mean_ms(run: Path, skip: int = 5) -> float:
-    train = records(run / "metrics.jsonl", "train")[skip:]
-    return sum(r["ms_per_step"] for r in train) / len(train)
-
-
-def test_monitor_overhead(tmp_path):
-    """The same 1-GPU run with the monitor sampling every 0.2 s (25x the default rate) and without."""
-    data = random_text(tmp_path / "data.txt", 3_000_000)
-    spec = small_spec(1, 60, 0.2)
-    spec["model"]["config"].update(n_layer=12, n_head=12, n_embd=768, n_positions=1024)
-    spec["data"] = {"train": str(data), "seq_len": 1024}
-    spec["train"].update(global_batch_size=8, micro_batch_size=8)
-    _, on = submit(spec, tmp_path, "mon-on")
-    _, off = submit({**spec, "monitor": {"enabled": False}}, tmp_path, "mon-off")
-    assert (on / "gpu.jsonl").exists() and not (off / "gpu.jsonl").exists()
-    ms_on, ms_off = mean_ms(on), mean_ms(off)
-    overhead = (ms_on - ms_off) / ms_off
-    print(f"\nmonitor overhead: {ms_on:.2f} ms/step with the monitor (0.2 s interval), {ms_off:.2f} without: "
-          f"{overhead * 100:+.2f}% ({hw_json()['gpus'][0]['name']})")
-    assert overhead < 0.05
+def test_monitor_off_samples_nothing(tmp_path):
+    """monitor.enabled: false trains without a sampler (its cost is measured in
+    benchmarks/monitor_overhead.py, not asserted here)."""
+    proc, off = submit({**small_spec(1, 10, 0.2), "monitor": {"enabled": False}}, tmp_path, "mon-off")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert records(off / "metrics.jsonl", "train") and not (off / "gpu.jsonl").exists()
 
 
 GPT2 = {"124m": {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768},

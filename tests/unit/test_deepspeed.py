@@ -139,3 +139,15 @@ def test_generated_config_follows_the_global_batch_rule():
     assert cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
     assert cfg["gradient_clipping"] == spec.train.grad_clip
     assert merged_config(spec, cfg) == cfg  # no user file: nothing changes
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
+def test_the_same_spec_scaled_down_to_one_gpu_runs(tmp_path, ddp_run, strategy):
+    """`--gpus 1` of a ddp or ZeRO-2 spec trains alone (no DDP wrapper; DeepSpeed gets a one-rank
+    group) and, with the same global batch, follows the 2-rank DDP loss curve."""
+    proc, run_dir = submit(tmp_path, doc(tmp_path / "runs", strategy=strategy), "--new", "--gpus", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = losses(run_dir), losses(ddp_run)
+    assert one.keys() == two.keys()
+    for step in one:
+        assert one[step] == pytest.approx(two[step], rel=1e-4), step

@@ -225,8 +225,9 @@ def test_async_checkpoints_resume_exactly(tmp_path, baseline):
 
 
 def test_staging_buffers_survive_torch_closing_the_stager(tmp_path):
-    """torch 2.11's async_save closes a caller's stager after each save; the next save must still
-    stage (into the same host buffers) and write a checkpoint that loads back."""
+    """torch 2.11's DefaultStager closes its inner copier after every stage (and some releases close a
+    caller's stager after the upload); the next save must still stage, into the same host buffers,
+    and write a checkpoint that loads back."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -234,11 +235,15 @@ def test_staging_buffers_survive_torch_closing_the_stager(tmp_path):
 
     stager = reusable_pinned_stager(pinned=False)
     state = {"w": torch.arange(6.0), "opt": {"param_groups": [{"lr": 0.1, "params": [0]}]}}
+    buffers = []
     for step in (1, 2):
         state["w"] += 1
-        stager.close()  # what such a torch does once the previous upload completes
+        stager._state_dict_stager.close()  # what torch 2.11 does at the end of each stage()
+        stager.close()  # what others do once the previous upload completes
         fut = dcp.async_save(state, checkpoint_id=str(tmp_path / f"s{step}"), async_stager=stager)
         getattr(fut, "upload_completion", fut).result()
+        buffers.append(stager.stage(state)["w"].data_ptr())
+    assert buffers[0] == buffers[1]  # staged into the buffer allocated by the first save
     loaded = {"w": torch.zeros(6), "opt": {"param_groups": [{"lr": 0.0, "params": [0]}]}}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "s2"))
     assert torch.equal(loaded["w"], torch.arange(6.0) + 2)

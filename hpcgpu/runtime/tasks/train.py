@@ -62,6 +62,8 @@ def resolve_strategy(spec: Spec, world: int) -> str:
     s = spec.distributed.strategy
     if s == "auto":
         return "ddp" if world > 1 else "none"
+    if s == "ddp" and world == 1:
+        return "none"  # the same spec scaled down to one GPU: DDP would only add a gradient copy
     if s == "none" and world > 1:
         raise HpcgpuError(f"distributed.strategy: none cannot run {world} ranks; use ddp")
     return s
