@@ -1,22 +1,30 @@
 """What the GPU monitor costs: one NVML sample, and the slowdown of a Python-bound loop beside it.
 
-    python benchmarks/monitor_overhead.py [--interval 0.2] [--seconds 3]
+    python benchmarks/monitor_overhead.py [--interval 0.2] [--seconds 3] [--train --repeats 2]
 
 A training step is mostly GPU time; the only way a sampler thread can slow it is by taking the GIL
 from the thread that launches kernels. So this times (1) one sample of all visible GPUs
 (NvmlSource.read, as the monitor calls it) and (2) a pure-Python loop, the worst case for GIL
-contention, with and without a monitor at the given interval. The in-training number (ms/step with
-the monitor on vs off) is tests/gpu/test_gpu_layer.py::test_monitor_overhead. With
-HPCGPU_NVML_RECORDED=FILE it runs on recorded readings (no GPU), which times the Python side only.
+contention, with and without a monitor at the given interval, and (3) with --train on a GPU: the
+same 1-GPU GPT-2 124M run with the monitor on and off, alternated --repeats times, median ms/step
+of each. With HPCGPU_NVML_RECORDED=FILE (1) and (2) run on recorded readings (no GPU), which times
+the Python side only.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import random
 import statistics
+import string
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,10 +41,48 @@ def python_loop(seconds: float) -> float:
     return n / seconds
 
 
+def train_ms_per_step(tmp: Path, data: Path, monitor: dict, tag: str) -> float:
+    """Median ms/step (after 10 warm-up steps) of hpcgpu's trainer on one GPU."""
+    doc = {"name": f"mon-{tag}", "task": "train", "runs_dir": str(tmp / "runs"),
+           "resources": {"gpus": 1, "cpus_per_gpu": 4}, "monitor": monitor,
+           "model": {"config": {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768,
+                                "n_positions": 1024, "vocab_size": 256}},
+           "data": {"train": str(data), "seq_len": 1024},
+           "train": {"global_batch_size": 8, "micro_batch_size": 8, "max_steps": 60, "warmup_steps": 5,
+                     "log_every": 1, "compile": False}}
+    spec = tmp / f"mon-{tag}.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(spec), "--executor", "local", "--new"],
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                          env={**os.environ})
+    if proc.returncode != 0:
+        sys.exit(f"training run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+    run_dir = Path(proc.stderr.split("run dir ")[1].split()[0].rstrip(","))
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["ms_per_step"] for r in recs if r["kind"] == "train" and r["step"] > 10)
+
+
+def in_training(interval: float, repeats: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        data = tmp / "data.txt"
+        rng = random.Random(0)
+        data.write_text("".join(rng.choices(string.ascii_letters + " .,\n", k=3_000_000)))
+        on, off = [], []
+        for i in range(repeats):  # alternated, so drift in clocks or temperature hits both sides
+            on.append(train_ms_per_step(tmp, data, {"interval_s": interval}, f"on{i}"))
+            off.append(train_ms_per_step(tmp, data, {"enabled": False}, f"off{i}"))
+    a, b = statistics.median(on), statistics.median(off)
+    print(f"in training (GPT-2 124M, 1 GPU, micro 8 x 1024, compile off): {a:.2f} ms/step with the monitor "
+          f"every {interval} s, {b:.2f} without: {(a - b) / b * 100:+.2f}% (runs on {on}, off {off})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--interval", type=float, default=0.2)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--train", action="store_true", help="also time training with the monitor on and off")
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     source = default_source()
     if not source.available():
@@ -59,6 +105,8 @@ def main() -> None:
     print(f"Python-bound loop: {ref:,.0f} it/s alone, {loaded:,.0f} it/s beside a monitor sampling every "
           f"{args.interval} s: {(ref - loaded) / ref * 100:+.2f}% (run-to-run noise: "
           f"{abs(base - base2) / ref * 100:.2f}%)")
+    if args.train:
+        in_training(args.interval, args.repeats)
 
 
 if __name__ == "__main__":
