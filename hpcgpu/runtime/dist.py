@@ -70,6 +70,16 @@ def all_reduce_max(flag: bool, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
+def agreed_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's value (e.g. GPU memory on a node of mixed cards), so that
+    choices made from it are the same on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -39,6 +39,14 @@ def report(ctx):
     return 10 + int(t.item())
 
 
+def smallest(ctx):
+    from hpcgpu.runtime.dist import agreed_min
+
+    agreed = agreed_min(40 - 15 * ctx.rank, ctx.device)  # rank 0 has "40", rank 1 "25"
+    (OUT / f"min-{ctx.rank}.json").write_text(json.dumps(agreed))
+    return agreed
+
+
 def crash(ctx):
     if ctx.rank == 1:
         (OUT / "crash-time").write_text(repr(time.time()))
@@ -120,6 +128,13 @@ def test_callable_gets_a_context_and_a_gloo_group(tmp_path: Path) -> None:
     for rank, ctx in enumerate(seen):
         assert ctx == {"rank": rank, "local_rank": rank, "world_size": 2, "is_main": rank == 0, "device": "cpu",
                        "backend": "gloo", "sum": 3.0, "run_dir": str(run_dir)}
+
+
+def test_ranks_agree_on_the_smallest_value(tmp_path: Path) -> None:
+    """What auto-tuning on mixed GPUs relies on: every rank gets the smallest card's memory."""
+    proc = submit(write_spec_file(tmp_path, callable_spec("smallest", "smallest", tmp_path)), timeout=90)
+    assert proc.returncode == 25, proc.stdout + proc.stderr
+    assert [json.loads((tmp_path / f"min-{rank}.json").read_text()) for rank in range(2)] == [25, 25]
 
 
 @pytest.mark.parametrize("entry", ["crash", "crash_while_busy"])

@@ -24,6 +24,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
+from hpcgpu.runtime.dist import agreed_min, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.spec import Spec
 
@@ -574,10 +575,13 @@ def auto_tune(ctx: Context, spec: Spec) -> Spec:
     from hpcgpu.gpu.recommend import apply_recommendation, recommend_for_job
 
     n_params, config = count_params(spec)  # meta device: no weights
-    gpu_bytes = torch.cuda.get_device_properties(ctx.device).total_memory
+    # the smallest card decides: ranks on mixed GPUs must pick the same micro batch and strategy
+    gpu_bytes = agreed_min(torch.cuda.get_device_properties(ctx.device).total_memory, ctx.device)
     rec = recommend_for_job(spec, n_params, config, gpu_bytes, ctx.world_size)
     (log.info if rec.fits else log.warning)(f"auto settings: {rec.summary()}; {rec.reason}")
-    return apply_recommendation(spec, rec)
+    spec = apply_recommendation(spec, rec)
+    init_process_group(ctx.env, spec, ctx.device)  # a lone rank tuned into DeepSpeed needs a group now
+    return spec
 
 
 def run_train(spec: Spec, spec_path: Path) -> int:
