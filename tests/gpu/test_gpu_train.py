@@ -133,3 +133,15 @@ def test_async_checkpoints_stage_through_pinned_buffers_and_resume(tmp_path):
     resume = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if '"resume"' in line]
     assert resume and resume[-1]["checkpoint"] == "step-00000014"
+
+
+def test_deepspeed_spec_on_one_gpu(tmp_path):
+    """A ZeRO-2 spec scaled down to one GPU: DeepSpeed gets a one-rank nccl group and exports a model."""
+    pytest.importorskip("deepspeed")
+    spec = train_spec(1, steps=12)
+    spec["distributed"] = {"strategy": "deepspeed", "deepspeed": {"zero_stage": 2}}
+    proc, run_dir = submit(spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"train"' in line]
+    assert train[-1]["loss"] < train[0]["loss"] and (run_dir / "model" / "model.safetensors").exists()
