@@ -4,7 +4,9 @@ Where: $HPCGPU_REGISTRY, else ${XDG_STATE_HOME:-~/.local/state}/hpcgpu/jobs.db.
 
 Many `hpcgpu submit` processes may write at once (a shell loop, a sweep script): the database runs
 in WAL mode with a busy timeout, and every write is one `BEGIN IMMEDIATE` transaction, so writers
-queue instead of failing and no row is lost. SQLite's WAL needs a local file system (not NFS).
+queue instead of failing and no row is lost. WAL's shared memory does not work across the hosts of a
+network file system (an NFS or Lustre home seen from several login nodes): there the database keeps
+SQLite's rollback journal, which relies on the file system's locks instead.
 """
 from __future__ import annotations
 
@@ -47,6 +49,35 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_job_id ON jobs (job_id);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
 """
+
+
+NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs",
+              "panfs", "wekafs", "9p")
+
+
+def file_system_type(path: Path, mountinfo: str | None = None) -> str:
+    """The type of the mount holding `path` (the longest mount point above it), '' if unknown."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return ""
+    best, kind = "", ""
+    target = os.path.realpath(path)
+    for line in mountinfo.splitlines():
+        left, _, right = line.partition(" - ")
+        fields_left, fields_right = left.split(), right.split()
+        if len(fields_left) < 5 or not fields_right:
+            continue
+        mount = fields_left[4].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields_right[0]
+    return kind
+
+
+def journal_mode_for(path: Path) -> str:
+    return "DELETE" if file_system_type(path.parent) in NETWORK_FS else "WAL"
 
 
 def registry_path() -> Path:
@@ -137,17 +168,17 @@ class Registry:
             db.row_factory = sqlite3.Row
             db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
-                self._create(db)
+                self._create(db, journal_mode_for(self.path))
         except (sqlite3.Error, OSError) as exc:
             raise HpcgpuError(f"job registry {self.path}: {exc} (set HPCGPU_REGISTRY to a writable file)") from None
         self._db = db
         return db
 
     @staticmethod
-    def _create(db: sqlite3.Connection) -> None:
+    def _create(db: sqlite3.Connection, journal_mode: str = "WAL") -> None:
         # WAL: readers never block the writer; switching needs a moment alone with the file,
         # which the busy timeout waits for when many first submissions race.
-        db.execute("PRAGMA journal_mode = WAL")
+        db.execute(f"PRAGMA journal_mode = {journal_mode}")
         db.execute("BEGIN IMMEDIATE")
         try:
             for statement in SCHEMA.split(";"):

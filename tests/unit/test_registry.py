@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord, registry_path
+from hpcgpu.launch import registry
+from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord, file_system_type, registry_path
 
 
 def record(job_id: str = "", **more) -> JobRecord:
@@ -100,3 +101,28 @@ def test_concurrent_writers_lose_no_row(tmp_path):
     reg = Registry(Path(path))
     assert reg.count() == 100
     assert len({j.job_id for j in reg.all()}) == 100
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:41 / /home rw,relatime shared:20 - nfs4 filer:/export/home rw,vers=4.2
+41 40 0:42 / /home/alice/scratch\\040space rw - lustre 10.0.0.1@o2ib:/scratch rw
+42 22 0:43 / /tmp rw - tmpfs tmpfs rw
+"""
+
+
+@pytest.mark.parametrize("path, kind", [("/home/alice/.local/state/hpcgpu", "nfs4"),
+                                        ("/home/alice/scratch space/x", "lustre"),
+                                        ("/homework", "ext4"), ("/tmp/r", "tmpfs"), ("/", "ext4")])
+def test_file_system_type_of_the_longest_mount_above(path, kind):
+    assert file_system_type(Path(path), MOUNTINFO) == kind
+
+
+def test_a_registry_on_a_network_file_system_keeps_the_rollback_journal(tmp_path, monkeypatch):
+    """WAL's shared memory breaks across the login nodes of an NFS home; the rollback journal uses locks."""
+    monkeypatch.setattr(registry, "file_system_type", lambda path, mountinfo=None: "nfs4")
+    reg = Registry(tmp_path / "jobs.db")
+    reg.add(record("1"))
+    assert reg.find("1")[0].job_id == "1"
+    mode = sqlite3.connect(tmp_path / "jobs.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "delete"
