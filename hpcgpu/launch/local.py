@@ -189,4 +189,10 @@ def _shell_code(code: int) -> int:
 def run_local(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[str] | None = None,
               say: Callable[[str], None] = lambda m: print(f"hpcgpu: {m}", file=sys.stderr)) -> int:
     ranks = start_ranks(spec, spec_path, run_dir, job_id, echo if echo is not None else sys.stdout)
-    return wait_ranks(ranks, spec, say)
+    code = wait_ranks(ranks, spec, say)
+    marker = run_dir / "FINISHED"
+    if code == 0 and not marker.exists():
+        # every rank of a command or callable job ended well: the run is done, like a finished
+        # training run, so the same spec again starts afresh instead of re-running in this dir
+        marker.write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+    return code

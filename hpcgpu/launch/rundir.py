@@ -56,6 +56,19 @@ def find_unfinished_run(spec: Spec, in_use: Callable[[Path], bool] = lambda p: F
     return None
 
 
+def find_finished_run(spec: Spec) -> Path | None:
+    """The newest run dir of this spec's name with an identical resolved spec that finished."""
+    base = Path(spec.runs_dir).expanduser() / spec.name
+    if not base.is_dir():
+        return None
+    text = dump_spec(spec)
+    for run_dir in sorted((p for p in base.iterdir() if p.is_dir()), reverse=True):
+        spec_file = run_dir / "spec.yaml"
+        if (run_dir / "FINISHED").exists() and spec_file.exists() and spec_file.read_text() == text:
+            return run_dir.resolve()
+    return None
+
+
 def missing_inputs(spec: Spec) -> list[str]:
     """Input files the spec names that do not exist here, as 'key: path' (hub ids are not paths)."""
     out = []

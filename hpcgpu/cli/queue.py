@@ -1,0 +1,133 @@
+"""`hpcgpu queue FILE [--gpus 0,1,4,7]`: many jobs over the free GPUs of this machine.
+
+FILE has one job per line, written as the arguments of `hpcgpu submit`:
+
+    configs/tiny.yaml --gpus 2
+    configs/tiny.yaml --set train.lr=1e-3 --set name=tiny-lr3   # a comment
+    exp.yaml --new                                                # always a fresh run dir
+
+Spec paths are relative to FILE. Every line is checked before any job starts. A line whose
+identical spec already finished is skipped, and one that was stopped resumes, so running the same
+queue again after Ctrl-C goes on where it stopped.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import click
+
+from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, SubmitProcess, exit_code, format_table,
+                                 queue_file_lines, summary_rows)
+from hpcgpu.launch.rundir import find_finished_run, missing_inputs
+from hpcgpu.launch.sweep import sweep_tasks
+
+
+@click.command("line", add_help_option=False)
+@spec_options
+@click.option("--new", "fresh", is_flag=True)
+def _line(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, fresh: bool) -> dict:
+    """The flags a queue line may carry: those of `hpcgpu submit` that make sense here."""
+    return {"spec_file": spec_file, "overrides": overrides, "gpus": gpus, "nodes": nodes, "fresh": fresh}
+
+
+def parse_entry(queue_file: Path, line: int, text: str) -> QueueEntry:
+    where = f"{queue_file}:{line}"
+    try:
+        args = shlex.split(text)
+        params = _line.main(args=args, prog_name=where, standalone_mode=False)
+    except (ValueError, click.ClickException) as exc:
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        raise UsageError(f"{where}: {message} (a line is: SPEC [--gpus N] [--nodes 1] [--set K=V]... [--new])") \
+            from None
+    spec_path = Path(params["spec_file"])
+    if not spec_path.is_absolute():
+        spec_path = queue_file.parent / spec_path
+    try:
+        spec = read_spec(str(spec_path), params["overrides"], params["gpus"], params["nodes"])
+    except HpcgpuError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    if spec.resources.nodes > 1:
+        raise UsageError(f"{where}: the queue runs jobs on this machine: drop --nodes / resources.nodes > 1")
+    if sweep_tasks(spec):
+        raise UsageError(f"{where}: a sweep spec: write one line per point (--set KEY=VALUE)")
+    missing = missing_inputs(spec)
+    if missing:
+        raise UsageError(f"{where}: file not found: {missing[0]}")
+    argv = [str(spec_path.resolve())] + [a for kv in params["overrides"] for a in ("--set", kv)]
+    argv += [f"--gpus={params['gpus']}"] if params["gpus"] else []
+    argv += ["--new"] if params["fresh"] else []
+    finished = None if params["fresh"] else find_finished_run(spec)
+    return QueueEntry(line, tuple(argv), spec.name, spec.resources.gpus, str(finished or ""))
+
+
+def read_entries(queue_file: Path) -> list[QueueEntry]:
+    try:
+        lines = queue_file_lines(queue_file)
+    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as exc:
+        raise UsageError(f"queue file {queue_file}: {exc.__class__.__name__}") from None
+    if not lines:
+        raise UsageError(f"queue file {queue_file} names no job (one `SPEC [--gpus N] [--set K=V]` per line)")
+    return [parse_entry(queue_file, no, text) for no, text in lines]
+
+
+def gpu_pool(gpus: str | None, ignore_busy: bool) -> tuple[list[str] | None, list[str]]:
+    """The GPU ids the queue may use and warnings about left-out ones; None: no GPU, CPU mode."""
+    from hpcgpu.gpu.busy import busy_reasons, select
+    from hpcgpu.gpu.readings import default_source
+
+    source = default_source()
+    if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return None, []  # GPUs hidden on purpose: the CPU it is
+    if not source.available():
+        if gpus:  # trusted as given: nothing here to check them against
+            return [g.strip() for g in gpus.split(",") if g.strip()], []
+        return None, []
+    readings = source.read(processes=True)
+    chosen, why = select(readings, gpus, None if gpus else os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if gpus and len(chosen) < len([g for g in gpus.split(",") if g.strip()]):
+        raise UsageError(f"--gpus {gpus}: {why}")
+    notes, ids = [], []
+    for r in chosen:
+        reasons = busy_reasons(r)
+        if reasons and not ignore_busy:
+            notes.append(f"GPU {r.index} left out, busy: {', '.join(reasons)} (--ignore-busy uses it anyway)")
+        else:
+            ids.append(str(r.index))
+    return ids, notes
+
+
+@click.command()
+@click.argument("queue_file", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--gpus", default=None, metavar="0,1,4,7",
+              help="The GPUs the queue may use (default: every free GPU here).")
+@click.option("--ignore-busy", is_flag=True, help="Use GPUs that other processes are using, too.")
+@click.option("--dry-run", is_flag=True, help="Check every line and show the pool; start nothing.")
+def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, dry_run: bool) -> int:
+    """Run the jobs of FILE (one `SPEC [--gpus N] [--set K=V]` per line) over free local GPUs."""
+    entries = read_entries(queue_file)
+    ids, notes = gpu_pool(gpus, ignore_busy)
+    for note in notes:
+        click.echo(f"queue: {note}", err=True)
+    if ids is not None:
+        if not ids:
+            raise UsageError("no free GPU to run the queue on" + (f" among --gpus {gpus}" if gpus else ""))
+        too_big = [e for e in entries if e.gpus > len(ids)]
+        if too_big:
+            e = too_big[0]
+            raise UsageError(f"{queue_file}:{e.line}: {e.name} needs {e.gpus} GPUs, the queue has {len(ids)} "
+                             f"({','.join(ids)}); lower --gpus on the line")
+    where = f"GPUs {','.join(ids)}" if ids is not None else "the CPU, one job at a time (no GPU here)"
+    todo = sum(1 for e in entries if not e.finished_in)
+    click.echo(f"queue: {todo} of {len(entries)} job(s) to run over {where}", err=True)
+    if dry_run:
+        click.echo(format_table([("LINE", "NAME", "GPUS", "ARGS")] + [
+            (str(e.line), e.name, str(e.gpus), "skipped: finished in " + e.finished_in if e.finished_in
+             else shlex.join(e.argv)) for e in entries]))
+        return 0
+    results = Queue(entries, GpuPool(ids), SubmitProcess, lambda m: click.echo(m, err=True)).run()
+    click.echo(format_table(summary_rows(results)))
+    return exit_code(results)

@@ -1,0 +1,203 @@
+"""`hpcgpu queue FILE`: many jobs over a pool of GPUs, never two jobs on one GPU, resumable.
+
+The jobs are `task: command` programs that record the GPUs they were given and when they ran; on
+this CPU machine the pool comes from --gpus (or from recorded NVML readings), exactly as the ids of
+real GPUs would.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import job_env, kill_leftovers, wait_for, write_spec_file
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+RECORD = """
+import json, os, pathlib, signal, sys, time
+out = pathlib.Path(os.environ["OUT"]) / (os.environ["JOB"] + ".json")
+start = time.time()
+def stop(*_):
+    out.with_suffix(".stopped").write_text("")
+    sys.exit(0)
+for sig in (signal.SIGTERM, signal.SIGUSR2):  # whichever stop signal the spec gives
+    signal.signal(sig, stop)
+pathlib.Path(os.environ["OUT"], os.environ["JOB"] + ".started").write_text("")
+override = out.with_suffix(".seconds")  # lets a test shorten a rerun without changing the spec
+time.sleep(float(override.read_text() if override.exists() else os.environ.get("SECONDS_TO_RUN", "2")))
+out.write_text(json.dumps({"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time()}))
+sys.exit(int(os.environ.get("EXIT", "0")))
+"""
+
+
+def job_spec(folder: Path, name: str = "job", seconds: float = 2.0, exit_code: int = 0) -> Path:
+    (folder / "record.py").write_text(RECORD)
+    return write_spec_file(folder, {
+        "name": name, "task": "command", "resources": {"gpus": 1, "cpus_per_gpu": 1},
+        "command": [sys.executable, str(folder / "record.py")],
+        "env": {"OUT": str(folder), "JOB": name, "SECONDS_TO_RUN": str(seconds), "EXIT": str(exit_code)}})
+
+
+def queue_cmd(queue_file: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "hpcgpu", "queue", str(queue_file), *args]
+
+
+def run_queue(queue_file: Path, *args: str, env: dict | None = None, timeout: float = 120
+              ) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(queue_cmd(queue_file, *args), capture_output=True, text=True, timeout=timeout,
+                              env=env or job_env(), cwd=queue_file.parent)
+    finally:
+        kill_leftovers(str(queue_file.parent))
+
+
+def write_queue(folder: Path, *lines: str) -> Path:
+    path = folder / "jobs.queue"
+    path.write_text("# the jobs\n" + "\n".join(lines) + "\n")
+    return path
+
+
+def table(stdout: str) -> dict[str, dict[str, str]]:
+    """The summary table by line number."""
+    rows = [line.split() for line in stdout.strip().splitlines()]
+    head = ["LINE", "NAME", "GPUS", "STATE", "EXIT", "SECONDS", "JOB", "RUN_DIR"]
+    out = {}
+    for row in rows[1:]:
+        if row[3] == "NOT":  # "NOT STARTED" is two words
+            row = row[:3] + ["NOT STARTED"] + row[5:]
+        out[row[0]] = dict(zip(head, row))
+    return out
+
+
+def recorded(folder: Path, name: str) -> dict:
+    return json.loads((folder / f"{name}.json").read_text())
+
+
+def test_jobs_spread_over_the_pool_and_never_share_a_gpu(tmp_path):
+    job_spec(tmp_path)
+    q = write_queue(tmp_path, "job.yaml --set name=a --set env.JOB=a",
+                    "job.yaml --gpus 2 --set name=b --set env.JOB=b",
+                    "job.yaml --set name=c --set env.JOB=c   # a comment",
+                    "job.yaml --set name=d --set env.JOB=d")
+    proc = run_queue(q, "--gpus", "0,1,2")
+    assert proc.returncode == 0, proc.stderr
+    rows = table(proc.stdout)
+    assert [rows[n]["STATE"] for n in ("2", "3", "4", "5")] == ["COMPLETED"] * 4
+    jobs = {name: recorded(tmp_path, name) for name in "abcd"}
+    for name, want in zip("abcd", (1, 2, 1, 1)):
+        devices = jobs[name]["visible"].split(",")
+        assert len(devices) == want and set(devices) <= {"0", "1", "2"}, (name, devices)
+    overlapped = 0
+    for x in "abcd":
+        for y in "abcd":
+            if x < y and jobs[x]["start"] < jobs[y]["end"] and jobs[y]["start"] < jobs[x]["end"]:
+                overlapped += 1
+                assert not set(jobs[x]["visible"].split(",")) & set(jobs[y]["visible"].split(",")), (x, y)
+    assert overlapped >= 1  # the pool was used in parallel, not one job at a time
+    assert "[line 3] b: started on GPU" in proc.stderr
+
+
+def test_running_the_queue_again_skips_what_finished(tmp_path):
+    job_spec(tmp_path, seconds=0.2)
+    q = write_queue(tmp_path, "job.yaml", "job.yaml --set name=again --set env.JOB=again --new")
+    assert run_queue(q, "--gpus", "0").returncode == 0
+    first = recorded(tmp_path, "job")["start"]
+    again = run_queue(q, "--gpus", "0")
+    assert again.returncode == 0, again.stderr
+    rows = table(again.stdout)
+    assert rows["2"]["STATE"] == "SKIPPED" and rows["3"]["STATE"] == "COMPLETED"  # --new: always runs
+    assert recorded(tmp_path, "job")["start"] == first
+    assert "finished earlier in" in again.stderr
+
+
+def test_without_gpus_the_jobs_run_one_at_a_time(tmp_path):
+    job_spec(tmp_path, seconds=1.0)
+    q = write_queue(tmp_path, "job.yaml --set name=a --set env.JOB=a", "job.yaml --set name=b --set env.JOB=b")
+    proc = run_queue(q)  # no NVML here, no --gpus
+    assert proc.returncode == 0, proc.stderr
+    assert "the CPU, one job at a time" in proc.stderr
+    a, b = recorded(tmp_path, "a"), recorded(tmp_path, "b")
+    assert a["end"] <= b["start"] and a["visible"] == b["visible"] == ""
+
+
+def test_a_failing_job_does_not_stop_the_others(tmp_path):
+    job_spec(tmp_path, seconds=0.2)
+    q = write_queue(tmp_path, "job.yaml --set name=bad --set env.JOB=bad --set env.EXIT=3", "job.yaml")
+    proc = run_queue(q, "--gpus", "0")
+    assert proc.returncode == 1, proc.stderr
+    rows = table(proc.stdout)
+    assert (rows["2"]["STATE"], rows["2"]["EXIT"]) == ("FAILED", "3")
+    assert rows["3"]["STATE"] == "COMPLETED"
+    assert "[line 2] bad: failed (exit 3)" in proc.stderr
+
+
+@pytest.mark.parametrize("line, message", [
+    ("job.yaml --bogus", "jobs.queue:3: No such option '--bogus'"),
+    ("missing.yaml", "jobs.queue:3: "),
+    ("job.yaml --set resources.gpus=three", "jobs.queue:3: "),
+    ("job.yaml --gpus 3", "jobs.queue:3: job needs 3 GPUs, the queue has 2 (0,1)"),
+    ("job.yaml --nodes 2", "jobs.queue:3: the queue runs jobs on this machine"),
+    ("job.yaml 'unclosed", "jobs.queue:3: No closing quotation"),
+])
+def test_a_bad_line_is_one_error_naming_it_and_nothing_starts(tmp_path, line, message):
+    job_spec(tmp_path, seconds=0.2)
+    q = write_queue(tmp_path, "job.yaml", line)
+    proc = run_queue(q, "--gpus", "0,1")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_busy_gpus_are_left_out_of_the_pool(tmp_path):
+    """Recorded readings of a shared 8 x H100 node: GPUs 0, 1, 4 and 7 are in use by others."""
+    job_spec(tmp_path)
+    q = write_queue(tmp_path, "job.yaml")
+    env = job_env(HPCGPU_NVML_RECORDED=str(FIXTURES / "nvml_h100x8_shared.json"))
+    del env["CUDA_VISIBLE_DEVICES"]  # job_env hides every GPU; this node shows all eight
+    everything = run_queue(q, "--dry-run", env=env)
+    assert everything.returncode == 0, everything.stderr
+    assert "over GPUs 2,3,5,6" in everything.stderr
+    assert sum("left out, busy" in line for line in everything.stderr.splitlines()) == 4
+    chosen = run_queue(q, "--dry-run", "--gpus", "7,3", env=env)
+    assert "over GPUs 3" in chosen.stderr and "GPU 7 left out, busy: utilization 37%" in chosen.stderr
+    forced = run_queue(q, "--dry-run", "--gpus", "7,3", "--ignore-busy", env=env)
+    assert "over GPUs 7,3" in forced.stderr
+    none_free = run_queue(q, "--dry-run", "--gpus", "0,1", env=env)
+    assert none_free.returncode == 2 and "no free GPU to run the queue on among --gpus 0,1" in none_free.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sigterm_stops_the_running_jobs_and_the_same_queue_goes_on(tmp_path):
+    job_spec(tmp_path, seconds=60)
+    q = write_queue(tmp_path, "job.yaml", "job.yaml --set name=later --set env.JOB=later --set env.SECONDS_TO_RUN=0.2")
+    proc = subprocess.Popen(queue_cmd(q, "--gpus", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=job_env(), cwd=tmp_path)
+    try:
+        wait_for(lambda: (tmp_path / "job.started").exists(), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_leftovers(str(tmp_path))
+    assert proc.returncode == 75, err
+    rows = table(out)
+    assert rows["2"]["STATE"] == "STOPPED" and rows["3"]["STATE"] == "NOT STARTED"
+    assert (tmp_path / "job.stopped").exists() and not (tmp_path / "later.started").exists()
+    stopped_dir = rows["2"]["RUN_DIR"]
+
+    (tmp_path / "job.seconds").write_text("0.2")
+    again = run_queue(q, "--gpus", "0")
+    assert again.returncode == 0, again.stderr
+    rows = table(again.stdout)
+    assert rows["2"]["STATE"] == rows["3"]["STATE"] == "COMPLETED"
+    assert rows["2"]["RUN_DIR"] == stopped_dir  # the stopped job resumed in its own run dir
+    assert (tmp_path / "later.json").exists()
