@@ -5,7 +5,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from hpcgpu.spec import Spec, dump_spec
 
@@ -37,36 +37,29 @@ def submitted_to_slurm(run_dir: Path) -> bool:
         or any(run_dir.glob("slurm-*.out"))
 
 
-def find_unfinished_run(spec: Spec, in_use: Callable[[Path], bool] = lambda p: False) -> Path | None:
-    """The newest run dir of this spec's name whose resolved spec is identical and that has not
-    finished: running the same spec again resumes it (local executor). Run dirs of SLURM jobs and
-    those `in_use` says a live job writes to are never taken."""
+def runs_of_this_spec(spec: Spec) -> Iterator[Path]:
+    """Run dirs of this spec's name whose resolved spec.yaml is identical to it, newest first."""
     base = Path(spec.runs_dir).expanduser() / spec.name
     if not base.is_dir():
-        return None
+        return
     text = dump_spec(spec)
     for run_dir in sorted((p for p in base.iterdir() if p.is_dir()), reverse=True):
         spec_file = run_dir / "spec.yaml"
-        if (run_dir / "FINISHED").exists() or not spec_file.exists() or submitted_to_slurm(run_dir):
-            continue
-        if in_use(run_dir.resolve()):
-            continue
-        if spec_file.read_text() == text:
-            return run_dir.resolve()
-    return None
+        if spec_file.exists() and spec_file.read_text() == text:
+            yield run_dir.resolve()
+
+
+def find_unfinished_run(spec: Spec, in_use: Callable[[Path], bool] = lambda p: False) -> Path | None:
+    """The newest run dir of this spec (identical resolved spec) that has not finished: running the
+    same spec again resumes it (local executor). Run dirs of SLURM jobs and those `in_use` says a
+    live job writes to are never taken."""
+    return next((run_dir for run_dir in runs_of_this_spec(spec) if not (run_dir / "FINISHED").exists()
+                 and not submitted_to_slurm(run_dir) and not in_use(run_dir)), None)
 
 
 def find_finished_run(spec: Spec) -> Path | None:
-    """The newest run dir of this spec's name with an identical resolved spec that finished."""
-    base = Path(spec.runs_dir).expanduser() / spec.name
-    if not base.is_dir():
-        return None
-    text = dump_spec(spec)
-    for run_dir in sorted((p for p in base.iterdir() if p.is_dir()), reverse=True):
-        spec_file = run_dir / "spec.yaml"
-        if (run_dir / "FINISHED").exists() and spec_file.exists() and spec_file.read_text() == text:
-            return run_dir.resolve()
-    return None
+    """The newest run dir of this spec (identical resolved spec) that finished."""
+    return next((run_dir for run_dir in runs_of_this_spec(spec) if (run_dir / "FINISHED").exists()), None)
 
 
 def missing_inputs(spec: Spec) -> list[str]:
