@@ -197,3 +197,16 @@ def test_twenty_parallel_submits_leave_twenty_rows(slurm):
         assert len({r.run_dir for r in rows}) == 20
     finally:
         subprocess.run(["scancel", *ids])
+
+
+def test_two_nodes_train_like_one(slurm):
+    """--nodes 2 --gpus 1: one rank on n1 and one on n2 meet at MASTER_ADDR=n1 and train the same
+    curve, bit for bit, as the 2-rank local run of the same spec."""
+    spec = slurm.write_spec(slurm.tiny_train(max_steps=12))
+    baseline = run_local(slurm, spec)
+    job, run_dir, _ = slurm.submit(spec, "--nodes", "2", "--gpus", "1")
+    view, _ = slurm.wait_status(job, timeout=300)
+    assert view["state"] == "COMPLETED", slurm.job_output(run_dir, job)
+    assert view["nodes"] == "n[1-2]"
+    assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)
+    assert_same_weights(run_dir, baseline)
