@@ -148,7 +148,11 @@ class Queue:
                 self.echo(f"[line {r.entry.line}] {r.entry.name}: finished earlier in {r.entry.finished_in}; "
                           "skipped (--new on the line runs it again)")
         running: list[tuple[QueueResult, Running, list[str], float]] = []
-        with self._signals_forwarded(lambda sig: [job.send(sig) for _, job, _, _ in running]):
+        def forward(sig: int) -> None:
+            for _, job, _, _ in running:
+                job.send(sig)
+
+        with self._signals_forwarded(forward):
             while True:
                 if not self.stopping:
                     waiting = self._start_fitting(waiting, running)
@@ -226,7 +230,7 @@ def exit_code(results: Sequence[QueueResult]) -> int:
 
 
 def summary_rows(results: Sequence[QueueResult]) -> list[tuple[str, ...]]:
-    rows = [("LINE", "NAME", "GPUS", "STATE", "EXIT", "SECONDS", "JOB", "RUN DIR")]
+    rows: list[tuple[str, ...]] = [("LINE", "NAME", "GPUS", "STATE", "EXIT", "SECONDS", "JOB", "RUN DIR")]
     for r in results:
         rows.append((str(r.entry.line), r.entry.name, ",".join(r.devices) or "-", r.state,
                      "-" if r.exit_code is None else str(r.exit_code), f"{r.seconds:.1f}" if r.seconds else "-",
