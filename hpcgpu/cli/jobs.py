@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -153,9 +153,6 @@ def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) 
     if job.executor == "local":
         run_dir = Path(task.run_dir if task else job.run_dir)
         return [run_dir / "logs" / f"rank-{rank or 0}.log"]
-    if rank is not None:
-        raise UsageError("--rank: a SLURM job writes all its ranks to one slurm-<id>.out/.err "
-                         "(rank 0 logs progress; other ranks log as [rank N]); --rank is for local jobs")
     if task is not None:
         run_dir, stem = Path(task.run_dir), f"slurm-{task.id}"
     else:
@@ -166,7 +163,9 @@ def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) 
 @click.command()
 @job_argument
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the job ends (Ctrl-C stops).")
-@click.option("--rank", type=click.IntRange(min=0), default=None, help="Local jobs: this rank's log (default 0).")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="Only this rank: a local job's logs/rank-N.log (default 0), or a SLURM job's lines "
+                   "that srun labels 'N: '.")
 def logs(job_ref: str, follow: bool, rank: int | None) -> None:
     """Print JOB's output: slurm-<id>.out/.err in its run dir, or a local job's logs/rank-N.log."""
     registry = Registry()
@@ -179,24 +178,33 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
         state = (task or job).state
         raise UsageError(f"no log yet for {job_ref} ({state}): expected {files[0]}")
     offsets = {p: 0 for p in files}
+    label = f"{rank}: " if rank is not None and job.executor != "local" else None
+    emit = (lambda text: only_rank(text, label)) if label else (lambda text: text)
     try:
-        print_new(offsets)
+        print_new(offsets, emit)
         while follow:
             refresh(registry, [job])
             unit = job.task(task.id) if task else job
             if unit is not None and is_final(unit.state):
                 time.sleep(0.5)  # the last lines may land just after SLURM records the end
-                print_new(offsets)
+                print_new(offsets, emit)
                 return
             for _ in range(4):
                 time.sleep(0.5)
-                print_new(offsets)
+                print_new(offsets, emit, whole_lines=True)
     except KeyboardInterrupt:
         return
 
 
-def print_new(offsets: dict[Path, int]) -> None:
-    """Print what each log gained since the last call (a stderr file under a header, like tail)."""
+def only_rank(text: str, label: str) -> str:
+    """The lines srun --label gave to one rank, without the label."""
+    return "".join(line[len(label):] for line in text.splitlines(keepends=True) if line.startswith(label))
+
+
+def print_new(offsets: dict[Path, int], emit: Callable[[str], str] = lambda text: text,
+              whole_lines: bool = False) -> None:
+    """Print what each log gained since the last call (a stderr file under a header, like tail).
+    While following, only whole lines are taken, so a filter never sees half a line."""
     for path, offset in offsets.items():
         try:
             with open(path, "rb") as fh:
@@ -204,12 +212,14 @@ def print_new(offsets: dict[Path, int]) -> None:
                 data = fh.read()
         except OSError:
             continue
+        if whole_lines:
+            data = data[: data.rfind(b"\n") + 1]
         if not data:
             continue
         offsets[path] = offset + len(data)
         if path.suffix == ".err" and offset == 0:
             click.echo(f"==> {path.name} <==", err=False)
-        sys.stdout.write(data.decode(errors="replace"))
+        sys.stdout.write(emit(data.decode(errors="replace")))
         sys.stdout.flush()
 
 

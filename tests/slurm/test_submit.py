@@ -35,6 +35,9 @@ def test_submit_trains_on_two_gpus(slurm):
     assert (run_dir / "model" / "model.safetensors").exists() and (run_dir / "FINISHED").exists()
     logs = slurm.hpcgpu("logs", job).stdout
     assert "x 2 ranks" in logs and "ddp" in logs  # rank 0's own lines
+    ranks = [slurm.hpcgpu("logs", job, "--rank", str(r)).stdout for r in (0, 1)]
+    assert "x 2 ranks" in ranks[0] and "x 2 ranks" not in ranks[1]
+    assert ranks[0] and all(line in logs for line in ranks[0].splitlines()[:3])
     listing = slurm.hpcgpu("list").stdout
     assert re.search(rf"^{job}\s+tiny\s+slurm\s+COMPLETED", listing, re.M), listing
 
@@ -132,7 +135,8 @@ def test_sweep_is_one_array_with_a_run_dir_per_task(slurm):
         assert run_dir.name == str(i) and task["values"] == {"train.seed": int(seed)}
         assert (run_dir / "seed.txt").read_text() == seed
         assert "sweep: {}" in (run_dir / "spec.yaml").read_text()
-        assert slurm.hpcgpu("logs", task["id"]).stdout == f"task seed {seed}\n"
+        assert slurm.hpcgpu("logs", task["id"]).stdout == f"0: task seed {seed}\n"  # srun --label
+        assert slurm.hpcgpu("logs", task["id"], "--rank", "0").stdout == f"task seed {seed}\n"
     table = slurm.hpcgpu("status", job).stdout
     assert len(re.findall(rf"^{job}_\d\s+COMPLETED", table, re.M)) == 3, table
 

@@ -254,7 +254,7 @@ def test_status_list_logs_cancel_of_local_jobs(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("hpcgpu: error: no job 'nope'")
 
 
-def test_logs_of_an_array_needs_a_task_and_rank_is_for_local_jobs(tmp_path):
+def test_logs_of_an_array_needs_a_task_and_rank_picks_srun_labels(tmp_path):
     db = tmp_path / "jobs.db"
     tasks = [TaskRecord(f"9_{i}", str(tmp_path / str(i)), state="COMPLETED") for i in range(2)]
     write_registry(db, JobRecord("9", "exp", "/s.yaml", str(tmp_path), "slurm", state="COMPLETED", tasks=tasks),
@@ -265,8 +265,9 @@ def test_logs_of_an_array_needs_a_task_and_rank_is_for_local_jobs(tmp_path):
     done = hpcgpu("logs", "9", env=env)
     assert done.returncode == 2 and "hpcgpu logs 9_0" in done.stderr
     assert hpcgpu("logs", "9_1", env=env).stdout == "task one\n"
-    done = hpcgpu("logs", "10", "--rank", "1", env=env)
-    assert done.returncode == 2 and "--rank" in done.stderr and len(done.stderr.splitlines()) == 1
+    (tmp_path / "slurm-10.out").write_text("0: step 1 | loss 5.5\n1: [rank 1] hello\n10: not rank 1\n1: bye")
+    assert hpcgpu("logs", "10", "--rank", "1", env=env).stdout == "[rank 1] hello\nbye"
+    assert hpcgpu("logs", "10", env=env).stdout.startswith("0: step 1")
     status = json.loads(hpcgpu("status", "9", "--json", env=env).stdout)
     assert [t["id"] for t in status["tasks"]] == ["9_0", "9_1"]
 

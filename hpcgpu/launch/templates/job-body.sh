@@ -17,9 +17,10 @@ export SRUN_CPUS_PER_TASK=$${SLURM_CPUS_PER_TASK:-${cpus}}
 
 # --- launch: one task per GPU, all running the same entrypoint ---
 # srun runs in the background so this shell survives the preemption signal and passes it on; the
-# ranks checkpoint, rank 0 requeues the job, and the shell returns srun's exit code.
+# ranks checkpoint, rank 0 requeues the job, and the shell returns srun's exit code. --label starts
+# every output line with its rank ("1: ..."): `hpcgpu logs JOB --rank 1` shows one rank.
 set +e
-srun --kill-on-bad-exit=1 --ntasks-per-node=${gpus} --cpus-per-task=${cpus} \
+srun --kill-on-bad-exit=1 --label --ntasks-per-node=${gpus} --cpus-per-task=${cpus} \
   ${python} -m hpcgpu run ${spec_path_q} &
 srun_pid=$$!
 trap 'kill -s ${signal} "$$srun_pid" 2>/dev/null' ${signal}
