@@ -24,7 +24,7 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
     click.echo(f"  strategy  {spec.distributed.strategy}")
     if spec.task == "train":
         t = spec.train
-        click.echo(f"  model     {spec.model.name_or_path or spec.model.config.get('model_type')}")
+        click.echo(f"  model     {spec.model.name_or_path or (spec.model.config or {}).get('model_type')}")
         click.echo(f"  batch     {t.global_batch_size} sequences/step x {spec.data.seq_len} tokens, "
                    f"micro batch {t.micro_batch_size}, {t.max_steps} steps")
     if spec.task == "command":

@@ -78,7 +78,8 @@ class GpuMonitor:
                  node_rank: int | None = None, source: GpuSource | None = None):
         self.run_dir, self.interval_s = Path(run_dir), max(0.05, float(interval_s))
         self.active = enabled and local_rank == 0
-        self.devices = ",".join(map(str, devices)) if isinstance(devices, (list, tuple)) else devices
+        self.devices: str | None = devices if devices is None or isinstance(devices, str) \
+            else ",".join(map(str, devices))
         self.node = int(os.environ.get("SLURM_NODEID", "0") or 0) if node_rank is None else node_rank
         self._source = source
         self._indices: list[int] = []

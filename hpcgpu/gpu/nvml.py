@@ -62,7 +62,7 @@ class NvmlSource:
         wanted = range(count) if indices is None else [i for i in indices if 0 <= i < count]
         out = []
         for i in wanted:
-            reading = _opt(lambda i=i: read_gpu(i, processes))
+            reading = _opt(functools.partial(read_gpu, i, processes))
             if reading is not None:  # a GPU that fell off the bus is left out, not fatal
                 out.append(reading)
         return out

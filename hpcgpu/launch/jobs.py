@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 from pathlib import Path
 
 from hpcgpu.errors import HpcgpuError
@@ -56,8 +56,13 @@ def array_state(tasks: list[TaskRecord]) -> str:
     return next((s for s in states if s != "COMPLETED" and is_final(s)), states[0] if states else "UNKNOWN")
 
 
+def units_of(job: JobRecord) -> Sequence[JobRecord | TaskRecord]:
+    """What has a state of its own: the array tasks, or the job itself."""
+    return job.tasks or [job]
+
+
 def needs_query(job: JobRecord) -> bool:
-    units = job.tasks or [job]
+    units = units_of(job)
     return any(not is_final(u.state) or (u.state in REVIVABLE and time.time() - job.updated < REVIVE_WINDOW_S)
                for u in units)
 
@@ -224,7 +229,7 @@ def wait_for(registry: Registry, jobs: list[JobRecord], say: Callable[[str], Non
             if is_final(job.state):
                 settled_since.setdefault(job.job_id, now)
         # a revivable end (PREEMPTED, NODE_FAIL) counts once no requeue followed for a while
-        if all(j.job_id in settled_since and (not any(u.state in REVIVABLE for u in j.tasks or [j])
+        if all(j.job_id in settled_since and (not any(u.state in REVIVABLE for u in units_of(j))
                                               or now - settled_since[j.job_id] >= revive_wait_s)
                for j in jobs):
             return jobs
@@ -235,7 +240,7 @@ def wait_for(registry: Registry, jobs: list[JobRecord], say: Callable[[str], Non
 def exit_status(jobs: list[JobRecord]) -> int:
     """0 when every job (every array task) completed; else the first failure's exit code, or 1."""
     for job in jobs:
-        for unit in job.tasks or [job]:
+        for unit in units_of(job):
             if unit.state != "COMPLETED":
                 return unit.exit_code or 1
     return 0

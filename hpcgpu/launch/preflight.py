@@ -67,14 +67,14 @@ def partition_problem(spec: Spec, partition: str, nodes: list[Node]) -> str | No
         return f"--gpus/resources.gpus: no node in partition '{partition}' has {what} ({have}{hint})"
     with_cpus = [n for n in with_gpus if n.cpus >= cpus]
     if not with_cpus:
-        most = max(n.cpus for n in with_gpus)
+        most_cpus = max(n.cpus for n in with_gpus)
         return (f"resources.cpus_per_gpu: {r.gpus} GPU(s) x {r.cpus_per_gpu} CPUs = {cpus} CPUs per node, but "
-                f"the nodes of partition '{partition}' with {r.gpus} GPU(s) have at most {most}")
+                f"the nodes of partition '{partition}' with {r.gpus} GPU(s) have at most {most_cpus}")
     fitting = [n for n in with_cpus if n.mem_mb >= mem_mb]
     if not fitting:
-        most = max(n.mem_mb for n in with_cpus)
+        most_mb = max(n.mem_mb for n in with_cpus)
         return (f"resources.mem_per_gpu: {r.gpus} GPU(s) x {r.mem_per_gpu} = {mem} per node, but the nodes "
-                f"of partition '{partition}' with enough GPUs and CPUs have at most {most}M")
+                f"of partition '{partition}' with enough GPUs and CPUs have at most {most_mb}M")
     if len(fitting) < r.nodes:
         return (f"--nodes/resources.nodes: {r.nodes} nodes asked for, but partition '{partition}' has only "
                 f"{len(fitting)} with {r.gpus} GPU(s), {cpus} CPUs" + (f" and {mem}" if mem else "")

@@ -80,7 +80,7 @@ def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: R
     check_cluster(tasks[0].spec)
     chunks = array_chunks(len(tasks), max_array_size())
     sweep = write_sweep(spec, tasks)
-    records = []
+    records: list[JobRecord] = []
     for offset, length in chunks:
         try:
             job_id = submit_plan(array_plan(tasks[0].spec, sweep.root, sweep.tasks_file, offset, length))

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -123,7 +123,7 @@ class DcpPayload(Payload):
 
     def write_async(self, path: Path, options: dict[str, Any]) -> Future:
         resp = dcp.async_save(self.tensors, checkpoint_id=str(path), process_group=_cpu_group(), **options)
-        return getattr(resp, "upload_completion", resp)  # newer torch returns a (staging, upload) pair
+        return cast(Future, getattr(resp, "upload_completion", resp))  # newer torch: a (staging, upload) pair
 
     def read(self, path: Path) -> None:
         dcp.load(self.tensors, checkpoint_id=str(path), process_group=_cpu_group())
@@ -185,12 +185,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ when
     def due_by_steps(self, step: int) -> bool:
-        return bool(self.policy.every_steps) and step % int(self.policy.every_steps) == 0
+        every = self.policy.every_steps
+        return every is not None and int(every) > 0 and step % int(every) == 0
 
     def due_by_time(self) -> bool:
         """Rank-local clock: callers must agree across ranks (the trainer all-reduces it)."""
         minutes = self.policy.every_minutes
-        return bool(minutes) and time.monotonic() - self.last_save_time >= float(minutes) * 60
+        return minutes is not None and float(minutes) > 0 and \
+            time.monotonic() - self.last_save_time >= float(minutes) * 60
 
     @property
     def pending(self) -> bool:

@@ -38,7 +38,7 @@ def _clean(v: Any) -> Any:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """All complete records (a line cut short by a kill is skipped)."""
-    out = []
+    out: list[dict[str, Any]] = []
     if not path.exists():
         return out
     for line in path.read_text().splitlines():

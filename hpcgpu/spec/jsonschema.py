@@ -38,7 +38,7 @@ def _object_schema(cls: type) -> dict[str, Any]:
 def _type_schema(tp: Any, meta: Any = None) -> dict[str, Any]:
     meta = meta or {}
     origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _object_schema(tp)
     if origin is Union:
         options = [_type_schema(a, meta) for a in get_args(tp)]

@@ -230,7 +230,7 @@ def _check_sweep(spec: Spec, lines: LineMap) -> None:
             raise lines.error(f"sweep.{key}", "needs a non-empty list of values")
         section: Any = Spec
         for part in key.split("."):
-            if not dataclasses.is_dataclass(section):
+            if not (isinstance(section, type) and dataclasses.is_dataclass(section)):
                 break  # below a free-form mapping (model.config.n_layer): any key goes
             fields = section_fields(section)
             if part not in fields:

@@ -89,7 +89,7 @@ def _kind(value: Any) -> str:
 def parse_value(tp: Any, value: Any, path: str, lines: LineMap, meta: Any = None) -> Any:
     meta = meta or {}
     origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return parse_section(tp, {} if value is None else value, path, lines)
     if origin is Union:
         return _parse_union(tp, value, path, lines, meta)

@@ -198,7 +198,7 @@ class Trainer:
         self.ds = self._deepspeed_run()
         zero3 = self.ds is not None and self.ds.config["zero_optimization"]["stage"] == 3
         on_gpu = self.device if self.device.type == "cuda" and not zero3 else None  # ZeRO-3 places it
-        self.raw_model = build_model(spec, t.seed, on_gpu)
+        self.raw_model: Any = build_model(spec, t.seed, on_gpu)
         if self.ds is None:
             self.raw_model = self.raw_model.to(self.device)
         self._check_vocab()
@@ -275,7 +275,7 @@ class Trainer:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.model.train()
-        self.last_lr = self.scheduler.get_last_lr()[0]  # the lr this step uses, for the log
+        self.last_lr = float(self.scheduler.get_last_lr()[0])  # the lr this step uses, for the log
         micro_batches = self.schedule.next_micro_batches()
         if self.ds is not None:
             total = self._deepspeed_step(micro_batches)
