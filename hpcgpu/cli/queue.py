@@ -5,6 +5,7 @@ FILE has one job per line, written as the arguments of `hpcgpu submit`:
     configs/tiny.yaml --gpus 2
     configs/tiny.yaml --set train.lr=1e-3 --set name=tiny-lr3   # a comment
     exp.yaml --new                                                # always a fresh run dir
+    exp.yaml --sweep train.lr=1e-3,3e-3                           # one job per point
 
 Spec paths are relative to FILE. Every line is checked before any job starts. A line whose
 identical spec already finished is skipped, and one that was stopped resumes, so running the same
@@ -12,6 +13,7 @@ queue again after Ctrl-C goes on where it stopped.
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -23,45 +25,59 @@ from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, SubmitProcess, exit_code, format_table,
                                  queue_file_lines, summary_rows)
 from hpcgpu.launch.rundir import find_finished_run, missing_inputs
-from hpcgpu.launch.sweep import sweep_tasks
+from hpcgpu.launch.sweep import sweep_tasks, with_sweep
 
 
 @click.command("line", add_help_option=False)
 @spec_options
+@click.option("--sweep", "sweeps", multiple=True)
 @click.option("--new", "fresh", is_flag=True)
-def _line(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, fresh: bool) -> dict:
+def _line(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None,
+          sweeps: tuple[str, ...], fresh: bool) -> dict:
     """The flags a queue line may carry: those of `hpcgpu submit` that make sense here."""
-    return {"spec_file": spec_file, "overrides": overrides, "gpus": gpus, "nodes": nodes, "fresh": fresh}
+    return {"spec_file": spec_file, "overrides": overrides, "gpus": gpus, "nodes": nodes, "sweeps": sweeps,
+            "fresh": fresh}
 
 
-def parse_entry(queue_file: Path, line: int, text: str) -> QueueEntry:
+def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
+    """One line's jobs: one, or one per point of a sweep (its `sweep:` or --sweep flags)."""
     where = f"{queue_file}:{line}"
     try:
-        args = shlex.split(text)
-        params = _line.main(args=args, prog_name=where, standalone_mode=False)
+        params = _line.main(args=shlex.split(text), prog_name=where, standalone_mode=False)
+        spec_path = Path(params["spec_file"])
+        if not spec_path.is_absolute():
+            spec_path = queue_file.parent / spec_path
+        spec = with_sweep(read_spec(str(spec_path), params["overrides"], params["gpus"], params["nodes"]),
+                          params["sweeps"])
+        points = [(task.label(), tuple(f"{k}={json.dumps(v)}" for k, v in task.values.items()) + ("sweep={}",))
+                  for task in sweep_tasks(spec)] or [("", ())]
+        return [point_entry(where, line, spec_path, params, label, extra) for label, extra in points]
     except (ValueError, click.ClickException) as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
-        raise UsageError(f"{where}: {message} (a line is: SPEC [--gpus N] [--nodes 1] [--set K=V]... [--new])") \
-            from None
-    spec_path = Path(params["spec_file"])
-    if not spec_path.is_absolute():
-        spec_path = queue_file.parent / spec_path
-    try:
-        spec = read_spec(str(spec_path), params["overrides"], params["gpus"], params["nodes"])
+        raise UsageError(f"{where}: {message} (a line is: SPEC [--gpus N] [--set K=V]... [--sweep K=V1,V2] "
+                         "[--new])") from None
+    except UsageError:
+        raise
     except HpcgpuError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def point_entry(where: str, line: int, spec_path: Path, params: dict, label: str,
+                extra: tuple[str, ...]) -> QueueEntry:
+    """The job of one line (or of one sweep point: its values as --set overrides), checked."""
+    overrides = tuple(params["overrides"]) + extra
+    spec = read_spec(str(spec_path), overrides, params["gpus"], params["nodes"])
     if spec.resources.nodes > 1:
         raise UsageError(f"{where}: the queue runs jobs on this machine: drop --nodes / resources.nodes > 1")
-    if sweep_tasks(spec):
-        raise UsageError(f"{where}: a sweep spec: write one line per point (--set KEY=VALUE)")
     missing = missing_inputs(spec)
     if missing:
         raise UsageError(f"{where}: file not found: {missing[0]}")
-    argv = [str(spec_path.resolve())] + [a for kv in params["overrides"] for a in ("--set", kv)]
+    argv = [str(spec_path.resolve())] + [a for kv in overrides for a in ("--set", kv)]
     argv += [f"--gpus={params['gpus']}"] if params["gpus"] else []
     argv += ["--new"] if params["fresh"] else []
     finished = None if params["fresh"] else find_finished_run(spec)
-    return QueueEntry(line, tuple(argv), spec.name, spec.resources.gpus, str(finished or ""))
+    name = f"{spec.name}[{label}]" if label else spec.name
+    return QueueEntry(line, tuple(argv), name, spec.resources.gpus, str(finished or ""))
 
 
 def read_entries(queue_file: Path) -> list[QueueEntry]:
@@ -71,7 +87,7 @@ def read_entries(queue_file: Path) -> list[QueueEntry]:
         raise UsageError(f"queue file {queue_file}: {exc.__class__.__name__}") from None
     if not lines:
         raise UsageError(f"queue file {queue_file} names no job (one `SPEC [--gpus N] [--set K=V]` per line)")
-    return [parse_entry(queue_file, no, text) for no, text in lines]
+    return [entry for no, text in lines for entry in parse_line(queue_file, no, text)]
 
 
 def gpu_pool(gpus: str | None, ignore_busy: bool) -> tuple[list[str] | None, list[str]]:

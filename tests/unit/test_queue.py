@@ -104,6 +104,19 @@ def test_jobs_spread_over_the_pool_and_never_share_a_gpu(tmp_path):
     assert "[line 3] b: started on GPU" in proc.stderr
 
 
+def test_a_sweep_line_is_one_job_per_point(tmp_path):
+    job_spec(tmp_path, seconds=1.5)
+    q = write_queue(tmp_path, "job.yaml --sweep env.JOB=p1,p2 --sweep env.SECONDS_TO_RUN=1.5")
+    proc = run_queue(q, "--gpus", "0,1")
+    assert proc.returncode == 0, proc.stderr
+    assert "[line 2] job[env.JOB=p1 env.SECONDS_TO_RUN=1.5]: started on GPU" in proc.stderr
+    p1, p2 = recorded(tmp_path, "p1"), recorded(tmp_path, "p2")
+    assert {p1["visible"], p2["visible"]} == {"0", "1"}  # side by side, one GPU each
+    assert p1["start"] < p2["end"] and p2["start"] < p1["end"]
+    again = run_queue(q, "--gpus", "0,1")
+    assert again.returncode == 0 and again.stderr.count("finished earlier") == 2, again.stderr
+
+
 def test_running_the_queue_again_skips_what_finished(tmp_path):
     job_spec(tmp_path, seconds=0.2)
     q = write_queue(tmp_path, "job.yaml", "job.yaml --set name=again --set env.JOB=again --new")
