@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "list": ("hpcgpu.cli.jobs:list_jobs", "Recent jobs from the registry, newest first."),
     "logs": ("hpcgpu.cli.jobs:logs", "Print (or follow) a job's output."),
     "cancel": ("hpcgpu.cli.jobs:cancel", "Cancel a job, an array task or a local job."),
-    "queue": ("hpcgpu.cli.queue:queue", "Run many specs over the free GPUs of this machine, a queue file of lines."),
+    "queue": ("hpcgpu.cli.queue:queue", "Run the jobs of a queue file over the free GPUs of this machine."),
     "run": ("hpcgpu.cli.run:run", "The in-job entrypoint (one process per GPU)."),
     "schema": ("hpcgpu.cli.schema:schema", "Print the JSON Schema of the spec (for editors)."),
     "hw": ("hpcgpu.cli.hw:hw", "GPUs (busy or free), CPUs and RAM here; recommended settings for a spec."),
