@@ -559,6 +559,10 @@ def quiet_libraries(ctx: Context) -> None:
     if not ctx.is_main:
         hf_logging.set_verbosity_error()  # one copy of library warnings, from rank 0
     hf_logging.disable_progress_bar()
+    if ctx.device.type == "cpu":
+        # CPU ranks are meant: DeepSpeed (imported by transformers when saving, or as the strategy)
+        # would otherwise warn that it "was unable to detect" a GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def set_cpu_threads() -> None:
