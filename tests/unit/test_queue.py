@@ -183,6 +183,8 @@ def test_busy_gpus_are_left_out_of_the_pool(tmp_path):
     assert "over GPUs 3" in chosen.stderr and "GPU 7 left out, busy: utilization 37%" in chosen.stderr
     forced = run_queue(q, "--dry-run", "--gpus", "7,3", "--ignore-busy", env=env)
     assert "over GPUs 7,3" in forced.stderr
+    unknown = run_queue(q, "--dry-run", "--gpus", "3,9", env=env)
+    assert unknown.returncode == 2 and "no GPU '9' here" in unknown.stderr, unknown.stderr
     none_free = run_queue(q, "--dry-run", "--gpus", "0,1", env=env)
     assert none_free.returncode == 2 and "no free GPU to run the queue on among --gpus 0,1" in none_free.stderr
     assert not (tmp_path / "runs").exists()
