@@ -68,8 +68,11 @@ def _get(d: dict, dotted: str) -> Any:
 
 
 def _merge(base: dict, extra: dict) -> dict:
+    """`extra` over `base`, recursively; "auto" at any depth keeps what `base` (the spec) derived."""
     out = dict(base)
     for key, value in extra.items():
+        if value == "auto":
+            continue
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
@@ -95,7 +98,6 @@ def merged_config(spec: Spec, generated: dict) -> dict:
         if theirs not in (None, "auto") and theirs != ours:
             raise HpcgpuError(f"distributed.deepspeed.config: {path} sets {key}={theirs!r} but the spec gives "
                               f"{ours!r}; change the spec (train.*, distributed.deepspeed.*) or drop the key")
-    user = {k: v for k, v in user.items() if v != "auto"}
     return _merge(generated, user)
 
 

@@ -141,6 +141,26 @@ def test_generated_config_follows_the_global_batch_rule():
     assert merged_config(spec, cfg) == cfg  # no user file: nothing changes
 
 
+def test_auto_in_the_user_json_keeps_what_the_spec_derived(tmp_path):
+    """"auto" is DeepSpeed's word for "fill it in": nested ones must not replace the spec's values
+    (a literal "auto" stage would quietly become ZeRO-0)."""
+    import torch
+
+    from hpcgpu.runtime.deepspeed_strategy import generated_config, merged_config
+    from hpcgpu.spec import spec_from_raw
+
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_batch_size": "auto", "bf16": {"enabled": "auto"},
+                                "zero_optimization": {"stage": "auto", "overlap_comm": False}}))
+    raw = doc(Path("/tmp"), stage=3)
+    raw["distributed"]["deepspeed"]["config"] = str(user)
+    spec = spec_from_raw({**raw, "runs_dir": "/tmp"})
+    cfg = generated_config(spec, world=2, micro=2, accum=2, amp_dtype=torch.bfloat16)
+    merged = merged_config(spec, cfg)
+    assert merged["zero_optimization"]["stage"] == 3 and merged["zero_optimization"]["overlap_comm"] is False
+    assert merged["bf16"]["enabled"] is True and merged["train_batch_size"] == 8
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "deepspeed"])
 def test_the_same_spec_scaled_down_to_one_gpu_runs(tmp_path, ddp_run, strategy):
     """`--gpus 1` of a ddp or ZeRO-2 spec trains alone (no DDP wrapper; DeepSpeed gets a one-rank
