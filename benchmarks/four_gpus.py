@@ -73,17 +73,13 @@ def slurm_style(spec_path: Path, gpus: int, run_dir: Path) -> int:
     return max(codes)
 
 
-def poll_gpu_processes(stop: threading.Event, seen: dict[int, int]) -> None:
-    import pynvml
+def poll_gpu_processes(stop: threading.Event, seen: set[int]) -> None:
+    """Adds to `seen` every GPU (NVML index) that runs a compute process while polling."""
+    from hpcgpu.gpu.readings import default_source
 
-    pynvml.nvmlInit()
-    n = pynvml.nvmlDeviceGetCount()
+    source = default_source()
     while not stop.is_set():
-        for i in range(n):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-            used = pynvml.nvmlDeviceGetMemoryInfo(h).used
-            seen[i] = max(seen.get(i, 0), len(procs) * (1 << 40) + used // (1 << 20))
+        seen.update(r.index for r in source.read() if r.processes)
         time.sleep(0.5)
 
 
@@ -126,13 +122,13 @@ def main() -> None:
                          f"ratio {res['zero2']['tok_s'] / res['ddp']['tok_s']:.2f}")
         if "subset" in only and args.subset:
             n = len(args.subset.split(","))
-            stop, seen = threading.Event(), {}
+            stop, seen = threading.Event(), set()
             t = threading.Thread(target=poll_gpu_processes, args=(stop, seen), daemon=True)
             t.start()
             code, run_dir, tail = submit(spec(tmp, "subset", n, 12, compile_=False, devices=args.subset), "--new")
             stop.set()
             t.join()
-            busy = sorted(i for i, v in seen.items() if v >= (1 << 40))
+            busy = sorted(seen)
             out["subset"] = {"asked": args.subset, "gpus_with_processes": busy, "exit": code}
             lines.append(f"devices {args.subset}: GPUs with our processes during the run: {busy} (exit {code}); "
                          f"{'OK' if busy == [int(i) for i in args.subset.split(',')] else 'MISMATCH'}")

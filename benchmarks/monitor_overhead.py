@@ -13,12 +13,7 @@ the Python side only.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import random
 import statistics
-import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +22,9 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from deepspeed_bench import random_text, submit, train_records  # noqa: E402
 from hpcgpu.gpu.monitor import GpuMonitor  # noqa: E402
 from hpcgpu.gpu.readings import default_source  # noqa: E402
 
@@ -52,22 +49,17 @@ def train_ms_per_step(tmp: Path, data: Path, monitor: dict, tag: str) -> float:
                      "log_every": 1, "compile": False}}
     spec = tmp / f"mon-{tag}.yaml"
     spec.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(spec), "--executor", "local", "--new"],
-                          capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
-                          env={**os.environ})
-    if proc.returncode != 0:
-        sys.exit(f"training run failed ({proc.returncode}): {proc.stderr[-1500:]}")
-    run_dir = Path(proc.stderr.split("run dir ")[1].split()[0].rstrip(","))
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["ms_per_step"] for r in recs if r["kind"] == "train" and r["step"] > 10)
+    code, run_dir, tail = submit(spec, "--new")
+    if code != 0 or run_dir is None:
+        sys.exit(f"training run failed ({code}): {tail[-1500:]}")
+    return statistics.median(r["ms_per_step"] for r in train_records(run_dir) if r["step"] > 10)
 
 
 def in_training(interval: float, repeats: int) -> None:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         data = tmp / "data.txt"
-        rng = random.Random(0)
-        data.write_text("".join(rng.choices(string.ascii_letters + " .,\n", k=3_000_000)))
+        random_text(data, 3_000_000)
         on, off = [], []
         for i in range(repeats):  # alternated, so drift in clocks or temperature hits both sides
             on.append(train_ms_per_step(tmp, data, {"interval_s": interval}, f"on{i}"))

@@ -12,10 +12,12 @@ from typing import Any, Callable
 
 import click
 
+from hpcgpu.cli.table import format_table
 from hpcgpu.errors import UsageError
 from hpcgpu.launch.jobs import cancel as cancel_job
-from hpcgpu.launch.jobs import is_final, last_progress, refresh
+from hpcgpu.launch.jobs import is_final, last_progress, log_files, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
+from hpcgpu.launch.scheduler import FINAL_STATES
 
 job_argument = click.argument("job_ref", metavar="JOB")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -61,12 +63,6 @@ def state_text(view: dict[str, Any]) -> str:
     return view["state"]
 
 
-def print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-
-
 def print_jobs(views: list[dict[str, Any]]) -> None:
     rows = [["JOB", "NAME", "EXECUTOR", "STATE", "ELAPSED", "NODES", "RESTARTS", "STEP", "LOSS", "RUN DIR"]]
     for v in views:
@@ -76,7 +72,7 @@ def print_jobs(views: list[dict[str, Any]]) -> None:
         rows.append([v["id"], v["name"], v["executor"], state, v["elapsed"] or "-", v["nodes"] or "-",
                      str(v["restarts"]), "-" if v["step"] is None else str(v["step"]), fmt_loss(v["loss"]),
                      v["run_dir"]])
-    print_table(rows)
+    click.echo(format_table(rows))
 
 
 def print_job(view: dict[str, Any]) -> None:
@@ -98,7 +94,7 @@ def print_job(view: dict[str, Any]) -> None:
                      "-" if t["step"] is None else str(t["step"]), fmt_loss(t["loss"]),
                      " ".join(f"{k}={v}" for k, v in t["values"].items()), t["run_dir"]])
     click.echo("")
-    print_table(rows)
+    click.echo(format_table(rows))
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -122,7 +118,7 @@ def status(job_ref: str | None, as_json: bool) -> None:
         else:
             print_job(view)
         return
-    jobs = [j for j in registry.all() if not is_final(j.state)]
+    jobs = registry.not_in_states(FINAL_STATES)
     show_jobs(registry, jobs, as_json, "no active jobs (`hpcgpu list` shows the finished ones too)")
 
 
@@ -147,17 +143,6 @@ def show_jobs(registry: Registry, jobs: list, as_json: bool, empty: str) -> None
         print_jobs(views)
     else:
         click.echo(empty)
-
-
-def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
-    if job.executor == "local":
-        run_dir = Path(task.run_dir if task else job.run_dir)
-        return [run_dir / "logs" / f"rank-{rank or 0}.log"]
-    if task is not None:
-        run_dir, stem = Path(task.run_dir), f"slurm-{task.id}"
-    else:
-        run_dir, stem = Path(job.run_dir), f"slurm-{job.job_id}"
-    return [run_dir / f"{stem}.out", run_dir / f"{stem}.err"]
 
 
 @click.command()

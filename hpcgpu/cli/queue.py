@@ -22,10 +22,12 @@ import click
 
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import HpcgpuError, UsageError
-from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, SubmitProcess, exit_code, format_table,
-                                 queue_file_lines, summary_rows)
+from hpcgpu.cli.table import format_table
+from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, SubmitProcess, exit_code, queue_file_lines,
+                                 summary_rows)
 from hpcgpu.launch.rundir import find_finished_run, missing_inputs
 from hpcgpu.launch.sweep import sweep_tasks, with_sweep
+from hpcgpu.spec import Spec
 
 
 @click.command("line", add_help_option=False)
@@ -49,9 +51,13 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
             spec_path = queue_file.parent / spec_path
         spec = with_sweep(read_spec(str(spec_path), params["overrides"], params["gpus"], params["nodes"]),
                           params["sweeps"])
-        points = [(task.label(), tuple(f"{k}={json.dumps(v)}" for k, v in task.values.items()) + ("sweep={}",))
-                  for task in sweep_tasks(spec)] or [("", ())]
-        return [point_entry(where, line, spec_path, params, label, extra) for label, extra in points]
+        tasks = sweep_tasks(spec)
+        if not tasks:
+            return [point_entry(where, line, spec_path, params, spec)]
+        # each point as the --set overrides its `hpcgpu submit` gets, read back as that child will
+        return [point_entry(where, line, spec_path, params, None, task.label(),
+                            tuple(f"{k}={json.dumps(v)}" for k, v in task.values.items()) + ("sweep={}",))
+                for task in tasks]
     except (ValueError, click.ClickException) as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         raise UsageError(f"{where}: {message} (a line is: SPEC [--gpus N] [--set K=V]... [--sweep K=V1,V2] "
@@ -62,11 +68,12 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
         raise UsageError(f"{where}: {exc}") from None
 
 
-def point_entry(where: str, line: int, spec_path: Path, params: dict, label: str,
-                extra: tuple[str, ...]) -> QueueEntry:
+def point_entry(where: str, line: int, spec_path: Path, params: dict, spec: Spec | None, label: str = "",
+                extra: tuple[str, ...] = ()) -> QueueEntry:
     """The job of one line (or of one sweep point: its values as --set overrides), checked."""
     overrides = tuple(params["overrides"]) + extra
-    spec = read_spec(str(spec_path), overrides, params["gpus"], params["nodes"])
+    if spec is None:
+        spec = read_spec(str(spec_path), overrides, params["gpus"], params["nodes"])
     if spec.resources.nodes > 1:
         raise UsageError(f"{where}: the queue runs jobs on this machine: drop --nodes / resources.nodes > 1")
     missing = missing_inputs(spec)

@@ -11,6 +11,7 @@ import click
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import HpcgpuError, JobFailed
 from hpcgpu.launch.exitcodes import EXIT_STOPPED
+from hpcgpu.launch.jobs import log_files
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir, missing_inputs
 from hpcgpu.launch.sweep import SweepTask, sweep_tasks, with_sweep, write_sweep
@@ -81,7 +82,7 @@ def print_dry_run(spec: Spec) -> int:
     for task in tasks:
         click.echo(f"# sweep task {task.index}: {task.label()}")
     click.echo("# --- batch script (submitted by submitit; nothing was submitted) ---")
-    click.echo(submission.dry_run_script(spec), nl=False)
+    click.echo(submission.dry_run_script(spec, tasks), nl=False)
     return 0
 
 
@@ -90,8 +91,9 @@ def print_submitted(record: JobRecord, spec: Spec) -> None:
     if not record.is_array:
         click.echo(f"job      {record.job_id}")
         click.echo(f"run dir  {run_dir}")
-        click.echo(f"stdout   {run_dir / f'slurm-{record.job_id}.out'}")
-        click.echo(f"stderr   {run_dir / f'slurm-{record.job_id}.err'}")
+        out, err = log_files(record, None)
+        click.echo(f"stdout   {out}")
+        click.echo(f"stderr   {err}")
         return
     limit = spec.slurm.array_parallelism
     at_once = f", at most {limit} at once" if limit else ""

@@ -14,8 +14,9 @@ from typing import Callable, Sequence
 from pathlib import Path
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch.exitcodes import is_finished
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.scheduler import FINAL_STATES, JobInfo, cancel_jobs, parse_duration, query_jobs
+from hpcgpu.launch.scheduler import FINAL_STATES, JobInfo, cancel_jobs, knows_job, parse_duration, query_jobs
 
 ACTIVE_ORDER = ("RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "PENDING", "SUSPENDED")
 # Final in SLURM's words, yet SLURM (PreemptMode=REQUEUE, a node coming back) or our own rank 0 may
@@ -85,13 +86,13 @@ def refresh(registry: Registry, jobs: list[JobRecord]) -> list[JobRecord]:
 
 
 def _refresh_slurm(job: JobRecord, infos: dict[str, JobInfo]) -> bool:
-    before = json.dumps(job.to_json(), sort_keys=True, default=str)
+    before = job.to_json()  # a deep copy: comparing it after tells whether anything changed
     if job.is_array:
         for task in job.tasks:
             info = infos.get(task.id)
             if info is not None:
                 _apply(task, info)
-            elif is_final(task.state) or infos_know_job(infos, job.job_id):
+            elif is_final(task.state) or knows_job(infos, job.job_id):
                 pass  # kept: its last word, or not split out of the pending array record yet
             else:
                 task.state, task.reason = unknown_state(Path(task.run_dir))
@@ -105,16 +106,24 @@ def _refresh_slurm(job: JobRecord, infos: dict[str, JobInfo]) -> bool:
             _apply(job, info)
         elif not is_final(job.state):
             job.state, job.reason = unknown_state(Path(job.run_dir))
-    return json.dumps(job.to_json(), sort_keys=True, default=str) != before
+    return job.to_json() != before
 
 
-def infos_know_job(infos: dict[str, JobInfo], job_id: str) -> bool:
-    return any(k.split("_")[0] == job_id for k in infos)
+def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
+    """A local job's logs/rank-N.log, or a SLURM job's (or array task's) slurm-<id>.out and .err."""
+    if job.executor == "local":
+        run_dir = Path(task.run_dir if task else job.run_dir)
+        return [run_dir / "logs" / f"rank-{rank or 0}.log"]
+    if task is not None:
+        run_dir, stem = Path(task.run_dir), f"slurm-{task.id}"
+    else:
+        run_dir, stem = Path(job.run_dir), f"slurm-{job.job_id}"
+    return [run_dir / f"{stem}.out", run_dir / f"{stem}.err"]
 
 
 def unknown_state(run_dir: Path) -> tuple[str, str]:
     """A job SLURM forgot (past MinJobAge) and no accounting to ask: what its run dir tells."""
-    if (run_dir / "FINISHED").exists():
+    if is_finished(run_dir):
         return "COMPLETED", "from the run dir (SLURM no longer knows the job)"
     return "UNKNOWN", "SLURM no longer knows the job and has no accounting (sacct) to ask"
 

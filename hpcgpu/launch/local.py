@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch.exitcodes import is_finished, write_finished
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
 
@@ -190,9 +191,8 @@ def run_local(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[
               say: Callable[[str], None] = lambda m: print(f"hpcgpu: {m}", file=sys.stderr)) -> int:
     ranks = start_ranks(spec, spec_path, run_dir, job_id, echo if echo is not None else sys.stdout)
     code = wait_ranks(ranks, spec, say)
-    marker = run_dir / "FINISHED"
-    if code == 0 and not marker.exists():
+    if code == 0 and not is_finished(run_dir):
         # every rank of a command or callable job ended well: the run is done, like a finished
         # training run, so the same spec again starts afresh instead of re-running in this dir
-        marker.write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+        write_finished(run_dir)
     return code

@@ -10,6 +10,7 @@ Host side: no torch here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -19,11 +20,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
+
+from hpcgpu.launch.exitcodes import EXIT_STOPPED
 
 JOB_LINE = re.compile(r"job (\S+) \(local\), run dir (\S+)")
-RESUME_LINE = re.compile(r"resuming the unfinished run (\S+)")
-EXIT_STOPPED = 75
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,7 @@ class SubmitProcess:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             if m := JOB_LINE.search(line):
-                self.job_id, self.run_dir = m.group(1), m.group(2).rstrip(",")
-            elif m := RESUME_LINE.search(line):
-                self.run_dir = m.group(1)
+                self.job_id, self.run_dir = m.group(1), m.group(2)
             elif line.startswith("hpcgpu: error:") or "Traceback" in line:
                 self.error = line.strip()
 
@@ -140,6 +139,7 @@ class Queue:
         self.results = [QueueResult(e) for e in entries]
         self.pool, self.start, self.echo, self.poll_s = pool, start, echo, poll_s
         self.stopping = 0  # the signal that asked us to stop, 0 while running
+        self.running: list[tuple[QueueResult, Running, list[str], float]] = []
 
     def run(self) -> list[QueueResult]:
         waiting = [r for r in self.results if not r.entry.finished_in]
@@ -147,21 +147,16 @@ class Queue:
             if r.entry.finished_in:
                 self.echo(f"[line {r.entry.line}] {r.entry.name}: finished earlier in {r.entry.finished_in}; "
                           "skipped (--new on the line runs it again)")
-        running: list[tuple[QueueResult, Running, list[str], float]] = []
-        def forward(sig: int) -> None:
-            for _, job, _, _ in running:
-                job.send(sig)
-
-        with self._signals_forwarded(forward):
+        with self._signals_forwarded():
             while True:
                 if not self.stopping:
-                    waiting = self._start_fitting(waiting, running)
-                if not running:
+                    waiting = self._start_fitting(waiting, self.running)
+                if not self.running:
                     if waiting and not self.stopping:  # the CLI checks every job fits the pool
                         raise RuntimeError(f"queue stalled: line {waiting[0].entry.line} fits no free GPUs")
                     break
                 time.sleep(self.poll_s)
-                running = self._reap(running)
+                self.running = self._reap(self.running)
         return self.results
 
     def _start_fitting(self, waiting: list[QueueResult], running: list) -> list[QueueResult]:
@@ -193,30 +188,24 @@ class Queue:
                       f"run dir {r.run_dir or '?'}" + (f"; {r.error}" if r.state == "FAILED" and r.error else ""))
         return still
 
-    def _signals_forwarded(self, forward: Callable[[int], object]) -> "_SignalScope":
-        return _SignalScope(self, forward)
+    @contextlib.contextmanager
+    def _signals_forwarded(self) -> Iterator[None]:
+        """SIGINT/SIGTERM start nothing new and reach the running jobs (as SIGTERM for a Ctrl-C)."""
+        def handler(sig: int, _frame: object) -> None:
+            if not self.stopping:
+                self.echo(f"queue: {signal.Signals(sig).name}: no new jobs; the running ones stop at a checkpoint")
+            self.stopping = sig
+            for _, job, _, _ in self.running:
+                job.send(signal.SIGTERM if sig == signal.SIGINT else sig)
 
-
-class _SignalScope:
-    def __init__(self, queue: Queue, forward: Callable[[int], object]):
-        self.queue, self.forward = queue, forward
-        self.saved: dict[int, object] = {}
-
-    def _handler(self, sig: int, _frame: object) -> None:
-        if not self.queue.stopping:
-            self.queue.echo(f"queue: {signal.Signals(sig).name}: no new jobs; the running ones stop at a checkpoint")
-        self.queue.stopping = sig
-        self.forward(signal.SIGTERM if sig == signal.SIGINT else sig)
-
-    def __enter__(self) -> "_SignalScope":
+        saved = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.saved[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self.saved.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+            saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in saved.items():
+                signal.signal(sig, old)
 
 
 def exit_code(results: Sequence[QueueResult]) -> int:
@@ -236,11 +225,6 @@ def summary_rows(results: Sequence[QueueResult]) -> list[tuple[str, ...]]:
                      "-" if r.exit_code is None else str(r.exit_code), f"{r.seconds:.1f}" if r.seconds else "-",
                      r.job_id or "-", r.run_dir or r.entry.finished_in or "-"))
     return rows
-
-
-def format_table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def queue_file_lines(path: Path) -> list[tuple[int, str]]:

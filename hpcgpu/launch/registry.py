@@ -17,7 +17,7 @@ import sqlite3
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from hpcgpu.errors import HpcgpuError
 
@@ -276,8 +276,10 @@ class Registry:
     def all(self) -> list[JobRecord]:
         return self._select()
 
+    def not_in_states(self, states: Collection[str]) -> list[JobRecord]:
+        """Jobs whose recorded state is none of `states` (the state column is indexed)."""
+        marks = ",".join("?" * len(states))
+        return self._select(f"WHERE state NOT IN ({marks})", tuple(states))
+
     def count(self) -> int:
         return int(self._connect().execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
-
-    def __iter__(self) -> Iterator[JobRecord]:
-        return iter(self.all())

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from hpcgpu.launch.exitcodes import is_finished
 from hpcgpu.spec import Spec, dump_spec
 
 
@@ -14,10 +15,15 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
+def run_dir_path(spec: Spec, root: str | os.PathLike | None = None, run_id: str | None = None) -> Path:
+    """Where a new run of this spec goes: <runs_dir>/<name>/<id>/ (nothing is created)."""
+    base = Path(root if root is not None else spec.runs_dir).expanduser()
+    return (base / spec.name / (run_id or new_run_id())).resolve()
+
+
 def make_run_dir(spec: Spec, root: str | os.PathLike | None = None, run_id: str | None = None) -> Path:
     """Create the run dir and write spec.yaml atomically (never a half-written spec)."""
-    base = Path(root if root is not None else spec.runs_dir).expanduser()
-    run_dir = (base / spec.name / (run_id or new_run_id())).resolve()
+    run_dir = run_dir_path(spec, root, run_id)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "spec.yaml", dump_spec(spec))
     return run_dir
@@ -53,13 +59,13 @@ def find_unfinished_run(spec: Spec, in_use: Callable[[Path], bool] = lambda p: F
     """The newest run dir of this spec (identical resolved spec) that has not finished: running the
     same spec again resumes it (local executor). Run dirs of SLURM jobs and those `in_use` says a
     live job writes to are never taken."""
-    return next((run_dir for run_dir in runs_of_this_spec(spec) if not (run_dir / "FINISHED").exists()
+    return next((run_dir for run_dir in runs_of_this_spec(spec) if not is_finished(run_dir)
                  and not submitted_to_slurm(run_dir) and not in_use(run_dir)), None)
 
 
 def find_finished_run(spec: Spec) -> Path | None:
     """The newest run dir of this spec (identical resolved spec) that finished."""
-    return next((run_dir for run_dir in runs_of_this_spec(spec) if (run_dir / "FINISHED").exists()), None)
+    return next((run_dir for run_dir in runs_of_this_spec(spec) if is_finished(run_dir)), None)
 
 
 def missing_inputs(spec: Spec) -> list[str]:

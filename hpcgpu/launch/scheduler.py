@@ -139,10 +139,6 @@ class JobInfo:
     restarts: int = 0
     exit_code: int | None = None
 
-    @property
-    def final(self) -> bool:
-        return self.state in FINAL_STATES
-
 
 SQUEUE_FIELDS = "JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,RestartCnt:|,exit_code:|"
 
@@ -161,10 +157,15 @@ def query_jobs(job_ids: list[str]) -> dict[str, JobInfo]:
     if done.returncode != 0 and "Invalid job id" not in done.stderr:
         raise SchedulerError(f"squeue failed: {one_line(done.stderr) or done.returncode}")
     found = parse_squeue(done.stdout if done.returncode == 0 else "")
-    missing = [i for i in ids if not any(k.split("_")[0] == i for k in found)]
+    missing = [i for i in ids if not knows_job(found, i)]
     if missing:
         found.update(query_sacct(missing))
     return found
+
+
+def knows_job(infos: dict[str, JobInfo], job_id: str) -> bool:
+    """Whether the answer holds the job or any task of it (keys are `123` or `123_4`)."""
+    return any(k.split("_")[0] == job_id for k in infos)
 
 
 def parse_squeue(text: str) -> dict[str, JobInfo]:

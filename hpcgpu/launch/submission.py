@@ -13,10 +13,10 @@ from hpcgpu.errors import HpcgpuError, SchedulerError
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.launch.preflight import check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import make_run_dir, new_run_id
+from hpcgpu.launch.rundir import make_run_dir, run_dir_path
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
-from hpcgpu.launch.sweep import (SweepTask, array_chunks, array_range, check_one_script, sweep_root,
+from hpcgpu.launch.sweep import (SweepTask, array_chunks, array_range, check_one_script,
                                  sweep_tasks, write_sweep)
 from hpcgpu.spec import Spec
 
@@ -102,20 +102,20 @@ def submit_to_slurm(spec: Spec, spec_file: str, registry: Registry) -> list[JobR
     return [submit_single(spec, spec_file, registry)]
 
 
-def dry_run_script(spec: Spec) -> str:
-    """The batch file that would be submitted (the first one, for a sweep split in several)."""
+def dry_run_script(spec: Spec, tasks: list[SweepTask]) -> str:
+    """The batch file that would be submitted (the first one, for a sweep split in several);
+    tasks: the spec's sweep points, [] for a single job."""
     from hpcgpu.launch.submitit_slurm import submission_text
 
-    tasks = sweep_tasks(spec)
     if tasks:
         check_one_script(tasks)
-        root = sweep_root(tasks[0].spec)
+        root = run_dir_path(tasks[0].spec)
         try:
             first = array_chunks(len(tasks), max_array_size())[0][1]
         except SchedulerError:  # no SLURM here: SLURM's default MaxArraySize
             first = array_chunks(len(tasks), 1001)[0][1]
         plan = array_plan(tasks[0].spec, root, root / "tasks.txt", 0, first)
     else:
-        run_dir = (Path(spec.runs_dir).expanduser() / spec.name / new_run_id()).resolve()
+        run_dir = run_dir_path(spec)
         plan = single_plan(spec, run_dir)
     return submission_text(plan.folder, plan.options, plan.command)

@@ -19,7 +19,7 @@ import yaml
 
 from hpcgpu.errors import SpecError, UsageError
 from hpcgpu.launch.options import sbatch_options
-from hpcgpu.launch.rundir import new_run_id, write_atomic
+from hpcgpu.launch.rundir import run_dir_path, write_atomic
 from hpcgpu.launch.sbatch import env_exports
 from hpcgpu.spec import Spec, dump_spec, parse_override, spec_from_raw, spec_to_dict
 from hpcgpu.spec.derive import signal_name
@@ -121,13 +121,9 @@ class SweepDir:
     run_dirs: list[Path]
 
 
-def sweep_root(spec: Spec, run_id: str | None = None) -> Path:
-    return (Path(spec.runs_dir).expanduser() / spec.name / (run_id or new_run_id())).resolve()
-
-
-def write_sweep(spec: Spec, tasks: list[SweepTask], root: Path | None = None) -> SweepDir:
+def write_sweep(spec: Spec, tasks: list[SweepTask]) -> SweepDir:
     """Create the sweep dir: each task's run dir with its resolved spec, the index, a summary."""
-    root = root or sweep_root(spec)
+    root = run_dir_path(spec)
     run_dirs = []
     for task in tasks:
         run_dir = root / str(task.index)

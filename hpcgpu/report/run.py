@@ -17,8 +17,10 @@ GiB = 1 << 30
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete records only: a line cut short by a kill is skipped."""
-    out = []
+    """Complete records only: a line cut short by a kill is skipped; none if the file is not there."""
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
     for line in path.read_text(errors="replace").splitlines():
         try:
             rec = json.loads(line)
@@ -58,7 +60,7 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise HpcgpuError(f"RUN_DIR: {run_dir} is not a directory")
-    metrics = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     gpu = [r for p in sorted(run_dir.glob("gpu*.jsonl")) for r in read_jsonl(p)]
     if not metrics and not gpu:
         raise HpcgpuError(f"RUN_DIR: {run_dir} has no metrics.jsonl or gpu.jsonl (has the job started?)")

@@ -115,11 +115,15 @@ class DeepSpeedRun:
             self.deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
                                             auto_mpi_discovery=False)
 
+    @property
+    def zero3(self) -> bool:
+        return self.config["zero_optimization"]["stage"] == 3
+
     def before_model(self) -> None:
         """For ZeRO-3, transformers must see the config before the model is built, so that
         from_config/from_pretrained partition parameters at creation (a bare zero.Init around
         from_config gives wrong initial weights)."""
-        if self.config["zero_optimization"]["stage"] == 3:
+        if self.zero3:
             from transformers.integrations import HfDeepSpeedConfig
 
             self.hf_hook = HfDeepSpeedConfig(self.config)
@@ -131,11 +135,12 @@ class DeepSpeedRun:
         self.engine = engine
         return engine
 
-    def consolidated_state_dict(self, raw_model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        """Full weights for save_pretrained (rank 0 gets them; collective under ZeRO-3)."""
-        if self.config["zero_optimization"]["stage"] == 3:
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights for save_pretrained (rank 0 gets them; collective under ZeRO-3); None below
+        ZeRO-3, where every rank holds them and save_pretrained reads the model itself."""
+        if self.zero3:
             return self.engine._zero3_consolidated_16bit_state_dict()
-        return {k: v for k, v in raw_model.state_dict().items()}
+        return None
 
 
 class DeepSpeedPayload(Payload):

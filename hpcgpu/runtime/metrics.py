@@ -35,15 +35,3 @@ def _clean(v: Any) -> Any:
         return str(v)
     return v
 
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All complete records (a line cut short by a kill is skipped)."""
-    out: list[dict[str, Any]] = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

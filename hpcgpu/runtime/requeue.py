@@ -20,8 +20,7 @@ from hpcgpu.spec.derive import signal_lead_s, time_limit_s
 
 log = logging.getLogger("hpcgpu")
 
-from hpcgpu.launch.exitcodes import EXIT_FINISHED, EXIT_STOPPED  # noqa: E402,F401  (one definition)
-FINISHED_MARKER = "FINISHED"
+from hpcgpu.launch.exitcodes import EXIT_FINISHED, EXIT_STOPPED, is_finished, write_finished  # noqa: E402,F401
 TIMEOUT_MARGIN_S = 60
 
 
@@ -62,7 +61,6 @@ def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
         # a preemption or time-limit signal comes while it is RUNNING
         log.info(f"{reason}: the job is being cancelled ({state}); not requeuing")
         return False
-        return False
     proc = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning(f"{reason}: `scontrol requeue {target}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -102,10 +100,6 @@ def requeue_after_crash(env: DistEnv, spec: Spec, run_dir: Path) -> bool:
     return requeue(env, spec, f"crash (retry {used + 1} of {spec.slurm.max_retries})")
 
 
-def is_finished(run_dir: Path) -> bool:
-    return (run_dir / FINISHED_MARKER).exists()
-
-
 def mark_finished(run_dir: Path, env: DistEnv) -> None:
     if env.is_main:
-        (run_dir / FINISHED_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+        write_finished(run_dir)

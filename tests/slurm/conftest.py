@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hpcgpu.runtime.metrics import read_metrics
+from hpcgpu.report.run import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "tests" / "slurm" / "cluster.sh"
@@ -141,7 +141,7 @@ class Slurm:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return read_metrics(run_dir / "metrics.jsonl")
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def _loss_log(run_dir: Path) -> dict[int, float]:

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
+from hpcgpu.gpu.recommend import CPU_MICRO_MAX, compiled_step, divisors_upto
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
 from hpcgpu.runtime.dist import agreed_min, init_process_group
@@ -38,8 +40,8 @@ def resolve_micro_batch(spec: Spec, world: int) -> int:
     mb = spec.train.micro_batch_size
     if mb != "auto":
         return int(mb)
-    # without a GPU estimate: the largest divisor of the per-rank batch up to 8 (issue: gpu auto-tuning)
-    return max(d for d in range(1, min(per_rank, 8) + 1) if per_rank % d == 0)
+    # without a GPU estimate (auto_tune fills it in on a GPU): the same rule as recommend's
+    return max(divisors_upto(per_rank, CPU_MICRO_MAX))
 
 
 def resolve_precision(spec: Spec, device: torch.device) -> torch.dtype | None:
@@ -55,8 +57,7 @@ def resolve_precision(spec: Spec, device: torch.device) -> torch.dtype | None:
 
 
 def resolve_compile(spec: Spec, device: torch.device) -> bool:
-    c = spec.train.compile
-    return device.type == "cuda" if c == "auto" else bool(c)
+    return compiled_step(spec, on_gpu=device.type == "cuda")  # the estimate must model the same step
 
 
 def resolve_strategy(spec: Spec, world: int) -> str:
@@ -196,7 +197,7 @@ class Trainer:
         self.schedule = BatchSchedule(len(self.train_blocks), t.global_batch_size, t.seed, ctx.rank,
                                       self.world, self.micro)
         self.ds = self._deepspeed_run()
-        zero3 = self.ds is not None and self.ds.config["zero_optimization"]["stage"] == 3
+        zero3 = self.ds is not None and self.ds.zero3
         on_gpu = self.device if self.device.type == "cuda" and not zero3 else None  # ZeRO-3 places it
         self.raw_model: Any = build_model(spec, t.seed, on_gpu)
         if self.ds is None:
@@ -533,19 +534,15 @@ def _log_eval(tr: Trainer, metrics: MetricsWriter) -> None:
 def save_final_model(ctx: Context, tr: Trainer) -> Path:
     """A plain Hugging Face model (loads without DeepSpeed), written by rank 0, renamed when complete."""
     out = ctx.run_dir / "model"
-    state_dict = tr.ds.consolidated_state_dict(tr.raw_model) if tr.ds is not None else None  # collective
+    state_dict = tr.ds.consolidated_state_dict() if tr.ds is not None else None  # collective
     if ctx.is_main:
         tmp = ctx.run_dir / "model.tmp"
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         tr.raw_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if hasattr(tr.tokenizer, "save_pretrained"):
             tr.tokenizer.save_pretrained(tmp)
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         os.replace(tmp, out)
         log.info(f"saved the final model to {out}")
