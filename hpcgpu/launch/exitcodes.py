@@ -1,8 +1,13 @@
 """How a run ends, shared by the job and the launchers (kept here so host code needs no runtime import)."""
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 EXIT_FINISHED = 0
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped at a checkpoint after a preemption/timeout signal or Ctrl-C
@@ -16,3 +21,83 @@ def is_finished(run_dir: Path) -> bool:
 
 def write_finished(run_dir: Path) -> None:
     (run_dir / FINISHED_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+
+
+# --- why a rank failed: written by the rank (or the local executor), read by `hpcgpu status` -------
+
+FAILURES_DIR = "failures"  # <run dir>/failures/<attempt>.rank-<N>.json, one per rank that failed
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One rank's failure in one attempt (a SLURM job run, counted by SLURM_RESTART_COUNT)."""
+
+    attempt: str  # "<job id>.<restart count>", array tasks "<array job>_<task>.<restart count>"
+    rank: int
+    node: str
+    exit_code: int | None  # the shell's view: killed by signal N -> 128+N
+    message: str  # the last error line (an exception's last line), "" when unknown
+    time: float
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exit_code is None or self.exit_code <= 128:
+            return None
+        try:
+            return signal.Signals(self.exit_code - 128).name
+        except ValueError:
+            return None
+
+    def describe(self) -> str:
+        """One line: 'rank 1 on n2 exited with code 1 (SIGKILL): ValueError: boom'."""
+        how = f"exit code {self.exit_code}" if self.exit_code is not None else "an unknown exit"
+        if self.signal_name:
+            how += f" ({self.signal_name})"
+        text = f"rank {self.rank} on {self.node or '?'} failed with {how}"
+        return f"{text}: {self.message}" if self.message else text
+
+
+def attempt_id(environ: Mapping[str, str] | None = None) -> str:
+    """This run of the job: the same in every rank of one start, new after every requeue."""
+    env = os.environ if environ is None else environ
+    job = env.get("SLURM_JOB_ID", "")
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return f"{job or 'nojob'}.{env.get('SLURM_RESTART_COUNT') or '0'}"
+
+
+def record_failure(run_dir: Path, failure: Failure, overwrite: bool = False) -> None:
+    """Write one rank's failure (atomically; a record the rank wrote itself is kept unless overwrite)."""
+    folder = run_dir / FAILURES_DIR
+    path = folder / f"{failure.attempt}.rank-{failure.rank}.json"
+    if path.exists() and not overwrite:
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{path.name}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(asdict(failure)) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # reporting must never turn one failure into another
+
+
+def read_failures(run_dir: Path, attempt: str | None = None) -> list[Failure]:
+    """The recorded failures, oldest first; only those of `attempt` when given."""
+    out = []
+    for path in (run_dir / FAILURES_DIR).glob("*.rank-*.json"):
+        try:
+            failure = Failure(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if attempt is None or failure.attempt == attempt:
+            out.append(failure)
+    return sorted(out, key=lambda f: (f.time, f.rank))
+
+
+def first_failure(run_dir: Path) -> Failure | None:
+    """The rank that failed first in the latest attempt that had a failure."""
+    failures = read_failures(run_dir)
+    if not failures:
+        return None
+    last_attempt = failures[-1].attempt
+    return next(f for f in failures if f.attempt == last_attempt)
