@@ -1,3 +1,14 @@
-from hpcgpu.cli import main
+import sys
+
+if len(sys.argv) > 1 and sys.argv[1] == "run":
+    from hpcgpu.procs import die_with_parent
+
+    die_with_parent()  # a rank of the local executor dies with it (HPCGPU_PARENT_PID; no-op otherwise)
+    # the in-job entrypoint: remember a preemption signal that comes before the task is ready
+    from hpcgpu.runtime.early import catch_early_signals
+
+    catch_early_signals()
+
+from hpcgpu.cli import main  # noqa: E402
 
 main()

@@ -101,3 +101,24 @@ def first_failure(run_dir: Path) -> Failure | None:
         return None
     last_attempt = failures[-1].attempt
     return next(f for f in failures if f.attempt == last_attempt)
+
+
+# --- which signals reached the batch script (written by it, read by the ranks) --------------------
+
+# SLURM signals the batch script on a preemption, a time limit or scancel, but not when srun tears a
+# step down after one task failed; the script appends "<SIG> <epoch>" here for every stop signal.
+BATCH_SIGNAL_SHELL = ".batch-signal.${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"  # as the template writes it
+
+
+def batch_signal_file(run_dir: Path, environ: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return run_dir / f".batch-signal.{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_RESTART_COUNT') or '0'}"
+
+
+def batch_signals(run_dir: Path, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The stop signals the batch script of this attempt got, first first ([] if none or no file)."""
+    try:
+        text = batch_signal_file(run_dir, environ).read_text()
+    except OSError:
+        return []
+    return [line.split()[0] for line in text.splitlines() if line.split()]

@@ -11,6 +11,7 @@ from string import Template
 
 from hpcgpu.errors import SpecError
 from hpcgpu.hostlist import PORT_SHELL
+from hpcgpu.launch.exitcodes import BATCH_SIGNAL_SHELL
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.spec.derive import nccl_env, signal_name
 from hpcgpu.spec.schema import Spec
@@ -90,6 +91,7 @@ def render_body(spec: Spec, run_dir: Path, spec_path: Path, python: str | None =
         master_port=shlex.quote(user_port) if user_port else PORT_SHELL,
         python=shlex.quote(python or sys.executable),
         signal=signal_name(spec),
+        batch_signal_file=BATCH_SIGNAL_SHELL,
     )
 
 

@@ -6,6 +6,7 @@ import time
 from types import FrameType
 from typing import Callable
 
+from hpcgpu.runtime.early import early_signal, release_others
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
 
@@ -21,6 +22,11 @@ class StopFlag:
     def install(self, signums: list[int]) -> None:
         for signum in signums:
             self._previous[signum] = signal.signal(signum, self._handle)
+        release_others(signums)
+        early = early_signal(signums)
+        if early is not None and self.signum is None:
+            # it came while the rank was starting: acted on at the first step boundary
+            self.signum, self.when = early
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:  # the first signal tells why we stop

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+from hpcgpu.launch.exitcodes import (EXIT_FINISHED, EXIT_STOPPED, Failure, attempt_id,  # noqa: F401
+                                     batch_signals, is_finished, read_failures, write_finished)
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.spec import Spec
-from hpcgpu.spec.derive import signal_lead_s, time_limit_s
+from hpcgpu.spec.derive import signal_lead_s, signal_name, time_limit_s
 
 log = logging.getLogger("hpcgpu")
 
-from hpcgpu.launch.exitcodes import EXIT_FINISHED, EXIT_STOPPED, is_finished, write_finished  # noqa: E402,F401
 TIMEOUT_MARGIN_S = 60
 
 
@@ -39,6 +41,51 @@ def stop_reason(spec: Spec, env: DistEnv) -> str:
     if elapsed is not None and elapsed >= time_limit_s(spec) - signal_lead_s(spec) - TIMEOUT_MARGIN_S:
         return "timeout"
     return "preempted"
+
+
+class TornDown(Exception):
+    """This rank was stopped because another one failed: reported as that crash, never requeued as a
+    preemption."""
+
+    def __init__(self, why: str, code: int):
+        super().__init__(why)
+        self.why, self.code = why, code
+
+
+TEARDOWN_WAIT_S = 5.0  # how long a SIGTERM'd rank looks for proof that it was a real stop
+
+
+def peer_failure(env: DistEnv, run_dir: Path) -> Failure | None:
+    """The first failure another rank of this attempt recorded (None if none did)."""
+    return next((f for f in read_failures(run_dir, attempt_id()) if f.rank != env.rank), None)
+
+
+def torn_down_by(spec: Spec, env: DistEnv, signum: int | None, run_dir: Path,
+                 wait_s: float = TEARDOWN_WAIT_S) -> str | None:
+    """Why a SIGTERM that stopped this rank was not a stop but a crash elsewhere; None for a real stop.
+
+    srun --kill-on-bad-exit (and the local executor) SIGTERM the other ranks once one fails; SLURM
+    sends the same SIGTERM on a preemption, a time limit or scancel. Told apart by: a failure another
+    rank recorded before it exited; and, under hpcgpu's batch script, whether the script got a stop
+    signal too (SLURM signals it, srun's teardown does not). The spec's own signal is always a stop.
+    """
+    if signum != signal.SIGTERM:
+        return None
+    deadline = time.monotonic() + wait_s
+    shell_sees_stops = env.launcher == "slurm" and "HPCGPU_JOB_START" in os.environ \
+        and signal_name(spec) != "TERM"
+    while True:
+        failure = peer_failure(env, run_dir)
+        if failure is not None:
+            return failure.describe()
+        if not shell_sees_stops or batch_signals(run_dir):
+            return None
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if job_state(env.requeue_target or "") in ("CANCELLED", "COMPLETING"):
+        return None  # scancel: reported as such by requeue()
+    return "another task of the step failed (srun ended the step; no stop signal reached the batch script)"
 
 
 def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:

@@ -1,6 +1,18 @@
 set -eo pipefail  # no -u: conda and module scripts in the setup lines read unset variables
 
-${array_block}# --- setup (the spec's slurm.setup lines, verbatim) ---
+${array_block}# --- stop signals, from the first line on ---
+# SLURM sends a preemption, time limit or scancel signal to this script too, never srun's teardown
+# of the step after a task failed: the file below tells the ranks which of the two stopped them. A
+# signal that comes before srun runs is passed to the ranks, which act on it once they can.
+srun_pid=
+stopped_by() {
+  echo "$$1 $$(date +%s)" >>${run_dir_q}/${batch_signal_file} 2>/dev/null || :
+  if [ -n "$$srun_pid" ]; then kill -s "$$1" "$$srun_pid" 2>/dev/null || :; else export HPCGPU_PENDING_SIGNAL="$$1"; fi
+}
+trap 'stopped_by ${signal}' ${signal}
+trap 'stopped_by TERM' TERM
+
+# --- setup (the spec's slurm.setup lines, verbatim) ---
 ${setup}
 
 # --- environment ---
@@ -23,8 +35,6 @@ set +e
 srun --kill-on-bad-exit=1 --label --ntasks-per-node=${gpus} --cpus-per-task=${cpus} \
   ${python} -m hpcgpu run ${spec_path_q} &
 srun_pid=$$!
-trap 'kill -s ${signal} "$$srun_pid" 2>/dev/null' ${signal}
-trap 'kill -s TERM "$$srun_pid" 2>/dev/null' TERM
 while :; do
   wait "$$srun_pid"; rc=$$?
   kill -0 "$$srun_pid" 2>/dev/null || break  # wait was cut short by a signal: srun still runs

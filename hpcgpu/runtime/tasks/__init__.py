@@ -1,11 +1,21 @@
 """Tasks a job runs: train (built in), command (the user's program), callable (the user's function)."""
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
+import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.spec import Spec
+
+if TYPE_CHECKING:
+    from hpcgpu.runtime.env import DistEnv
+
+MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
 
 
 def _dispatch(spec: Spec, spec_path: Path) -> int:
@@ -27,23 +37,70 @@ def _dispatch(spec: Spec, spec_path: Path) -> int:
 def run_task(spec: Spec, spec_path: Path) -> int:
     """Run the spec's task in this process (one rank) and return its exit code.
 
-    A crash (an exception, or a command failing on its own) is requeued only when the spec asks for
-    retries (slurm.max_retries), at most that often; a stop after a preemption signal is handled by
-    the task itself and never counts as a crash.
+    A rank that fails records why (failures/ in the run dir: rank, node, exit code, last error line)
+    for `hpcgpu status`. A crash is requeued only when the spec asks for retries (slurm.max_retries),
+    at most that often; a stop after a preemption signal is handled by the task itself and never
+    counts as a crash; a rank stopped because another rank failed is neither.
     """
     from hpcgpu.launch.exitcodes import EXIT_STOPPED
     from hpcgpu.runtime.env import DistEnv
-    from hpcgpu.runtime.requeue import requeue_after_crash
+    from hpcgpu.runtime.requeue import TornDown, requeue_after_crash
 
+    env = DistEnv.from_environ()
     run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or spec_path.parent)
     try:
         code = _dispatch(spec, spec_path)
-    except HpcgpuError:
-        raise  # the user's input is wrong: a retry would fail the same way
+    except TornDown as exc:
+        print(f"hpcgpu: rank {env.rank} was stopped because {exc.why}: a crash, not a preemption", flush=True)
+        requeue_after_crash(env, spec, run_dir)
+        return exc.code
+    except HpcgpuError as exc:
+        message = short(str(exc))
+        record(env, run_dir, exc.exit_code, message)
+        if first_to_report(run_dir, message):  # the same mistake in every rank: one line per job
+            print(f"hpcgpu: error: {message}", file=sys.stderr, flush=True)
+        return exc.exit_code  # the user's input is wrong: a retry would fail the same way
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code not in (0, EXIT_STOPPED):
+            record(env, run_dir, code, "")
+            requeue_after_crash(env, spec, run_dir)
+        raise
+    except KeyboardInterrupt:
+        raise
     except BaseException as exc:
-        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            requeue_after_crash(DistEnv.from_environ(), spec, run_dir)
+        record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
+        requeue_after_crash(env, spec, run_dir)
         raise
     if code not in (0, EXIT_STOPPED):
-        requeue_after_crash(DistEnv.from_environ(), spec, run_dir)
+        record(env, run_dir, code, "")
+        requeue_after_crash(env, spec, run_dir)
     return code
+
+
+def short(text: str) -> str:
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "")
+    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 1] + "…"
+
+
+def record(env: DistEnv, run_dir: Path, code: int, message: str) -> None:
+    from hpcgpu.launch.exitcodes import Failure, attempt_id, record_failure
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    record_failure(run_dir, Failure(attempt_id(), env.rank, node, code, message, time.time()))
+
+
+def first_to_report(run_dir: Path, message: str) -> bool:
+    """True in the one rank (of this attempt) that reports this error; the others stay quiet."""
+    from hpcgpu.launch.exitcodes import FAILURES_DIR, attempt_id
+
+    digest = hashlib.sha1(message.encode()).hexdigest()[:12]
+    path = run_dir / FAILURES_DIR / f"{attempt_id()}.reported-{digest}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # cannot tell: better twice than never
+    return True

@@ -8,10 +8,11 @@ from pathlib import Path
 from types import FrameType
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.runtime.env import DistEnv
 from hpcgpu.launch.exitcodes import EXIT_STOPPED
+from hpcgpu.runtime.early import early_signal, release_others
+from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.preempt import stop_signals
-from hpcgpu.runtime.requeue import requeue, stop_reason
+from hpcgpu.runtime.requeue import TornDown, requeue, stop_reason, torn_down_by
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import nccl_env
 
@@ -21,7 +22,12 @@ def command_env(spec: Spec, spec_path: Path, env: DistEnv) -> dict[str, str]:
     for key, value in nccl_env(spec).items():
         out.setdefault(key, value)
     out.update(env.torchrun_vars())
+    if not ranks_have_gpus(out):
+        # accelerate-based scripts (the HF Trainer, run_clm_no_trainer.py) would otherwise train one
+        # model per rank on CPU, all writing the same output dir, without a word
+        out.setdefault("ACCELERATE_USE_CPU", "true")
     out.update(spec.env)
+    out.pop("HPCGPU_PENDING_SIGNAL", None)  # taken by this wrapper, not the program's business
     out["HPCGPU_SPEC"] = str(spec_path)
     out.setdefault("HPCGPU_RUN_DIR", str(spec_path.parent))
     # where a preemptible program should write its checkpoints (documented in the README)
@@ -29,34 +35,62 @@ def command_env(spec: Spec, spec_path: Path, env: DistEnv) -> dict[str, str]:
     return out
 
 
+def ranks_have_gpus(environ: dict[str, str]) -> bool:
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return False
+    from hpcgpu.gpu.nvml import gpu_count
+
+    return gpu_count() > 0
+
+
 def run_command(spec: Spec, spec_path: Path) -> int:
     env = DistEnv.from_environ()
+    run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or spec_path.parent)
     argv = list(spec.command or [])
-    try:
-        proc = subprocess.Popen(argv, env=command_env(spec, spec_path, env))
-    except FileNotFoundError:
-        raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
-    except PermissionError:
-        raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
-
+    stops = stop_signals(spec)
     received: list[int] = []
+    proc: subprocess.Popen | None = None
 
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
-        proc.send_signal(signum)  # the program decides how to checkpoint and stop
+        if proc is not None:
+            proc.send_signal(signum)  # the program decides how to checkpoint and stop
 
-    previous = {s: signal.signal(s, forward) for s in stop_signals(spec)}
+    previous = {s: signal.signal(s, forward) for s in stops}
+    release_others(stops)
     try:
+        if early_signal(stops) is not None or received:
+            return stop_before_start(spec, env)
+        try:
+            proc = subprocess.Popen(argv, env=command_env(spec, spec_path, env))
+        except FileNotFoundError:
+            raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
+        except PermissionError:
+            raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
+        if received:
+            proc.send_signal(received[0])  # it came in the instant the program was being started
         code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
-    if received:
-        # the program was told to stop (preemption/timeout): rank 0 requeues, capped, then its code
-        # passes through; a program that checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
-        reason = stop_reason(spec, env)
-        print(f"hpcgpu: {reason}: the program exited with code {code} after the stop signal", flush=True)
-        requeue(env, spec, reason)
-        return EXIT_STOPPED
-    return code
+    if not received:
+        return code
+    why = torn_down_by(spec, env, received[0], run_dir)
+    if why is not None:
+        raise TornDown(why, code)
+    # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
+    # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
+    reason = stop_reason(spec, env)
+    print(f"hpcgpu: {reason}: the program exited with code {code} after the stop signal", flush=True)
+    requeue(env, spec, reason)
+    return EXIT_STOPPED
+
+
+def stop_before_start(spec: Spec, env: DistEnv) -> int:
+    """A stop signal came while the rank was starting: nothing ran, so nothing is lost by leaving."""
+    reason = stop_reason(spec, env)
+    print(f"hpcgpu: {reason}: the stop signal came before the program started; not starting it", flush=True)
+    requeue(env, spec, reason)
+    return EXIT_STOPPED

@@ -11,6 +11,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -104,14 +105,15 @@ def build_model(spec: Spec, seed: int, device: torch.device | None = None) -> to
     if spec.model.name_or_path:
         try:
             return AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, dtype=dtype or torch.float32)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raise HpcgpuError(f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {exc}") from None
     cfg = dict(spec.model.config or {})
     model_type = cfg.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **cfg)
     except (ValueError, TypeError) as exc:
-        raise HpcgpuError(f"model.config: {exc}") from None
+        # transformers lists every model type it knows (12 KB): one short line instead
+        raise HpcgpuError(f"model.config: {str(exc).split('. Should contain')[0]}") from None
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(config)
     return model.to(dtype) if dtype else model
@@ -396,11 +398,9 @@ def inject_signal(ctx: Context, tr: Trainer) -> None:
     at, _, rank = spec_at.partition(":")
     # never at the step a run resumed from: the resumed run must go on, not stop again
     if tr.step == int(at) and tr.step != tr.start_step and (not rank or int(rank) == ctx.rank):
-        import signal as _signal
-
         from hpcgpu.spec.derive import signal_name
 
-        os.kill(os.getpid(), getattr(_signal, f"SIG{signal_name(ctx.spec)}"))
+        os.kill(os.getpid(), getattr(signal, f"SIG{signal_name(ctx.spec)}"))
 
 
 def step_boundary(ctx: Context, loss_t: torch.Tensor, *flags: bool) -> tuple[float, bool, bool, bool]:
@@ -585,8 +585,23 @@ def auto_tune(ctx: Context, spec: Spec) -> Spec:
     return spec
 
 
+def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how: str) -> int:
+    """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
+    ending the step after another rank failed, which is that crash and is not requeued."""
+    from hpcgpu.runtime.requeue import EXIT_STOPPED, TornDown, requeue, stop_reason, torn_down_by
+
+    why = torn_down_by(spec, ctx.env, ctx.stop_flag.signum, ctx.run_dir)
+    if why is not None:
+        raise TornDown(why, 128 + signal.SIGTERM)
+    reason = stop_reason(spec, ctx.env)
+    metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)
+    log.info(f"{reason}: stopped at step {tr.step} {how}")
+    requeue(ctx.env, spec, reason)
+    return EXIT_STOPPED
+
+
 def run_train(spec: Spec, spec_path: Path) -> int:
-    from hpcgpu.runtime.requeue import EXIT_STOPPED, is_finished, mark_finished, requeue, stop_reason
+    from hpcgpu.runtime.requeue import is_finished, mark_finished
 
     set_cpu_threads()
     with init(spec) as ctx:
@@ -601,15 +616,15 @@ def run_train(spec: Spec, spec_path: Path) -> int:
             log.info(describe(tr))
             resume(ctx, tr, metrics)
             tr.start_step = tr.step
+            if ctx.should_stop():
+                # the signal came while the job was starting: its state is the checkpoint it resumed
+                # from (or nothing yet), so nothing is lost by leaving now
+                return stop_run(ctx, spec, tr, metrics, "before the first step; nothing new to save")
             with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
                             enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
                 outcome = train_loop(ctx, tr, metrics)
             if outcome == "stopped":
-                reason = stop_reason(spec, ctx.env)
-                metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)
-                log.info(f"{reason}: stopped at step {tr.step} with a checkpoint")
-                requeue(ctx.env, spec, reason)
-                return EXIT_STOPPED
+                return stop_run(ctx, spec, tr, metrics, "with a checkpoint")
             save_final_model(ctx, tr)
             mark_finished(ctx.run_dir, ctx.env)
             metrics.write("end", step=tr.step, tokens=tr.tokens_seen)

@@ -1,0 +1,63 @@
+"""On the real cluster: a crashing rank is a crash (FAILED, never requeued as a preemption), and a
+preemption signal that comes while the job is starting is acted on, not fatal."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcgpu.launch.exitcodes import first_failure
+
+pytestmark = pytest.mark.slurm
+
+# rank 1 fails one second in; rank 0 would run for a minute (srun's teardown SIGTERMs it)
+CRASHES = {
+    "raises": "raise SystemExit(3)",
+    "killed": "os.kill(os.getpid(), signal.SIGKILL)",
+}
+
+
+@pytest.mark.parametrize("how", sorted(CRASHES))
+def test_a_crashing_rank_is_a_crash_not_a_preemption(slurm, how: str) -> None:
+    program = ("import os, signal, time\n"
+               "if os.environ['RANK'] == '1':\n"
+               f"    time.sleep(1); {CRASHES[how]}\n"
+               "time.sleep(60)\n")
+    spec = slurm.write_spec({"name": f"crash-{how}", "task": "command", "command": [sys.executable, "-c", program],
+                             "resources": {"gpus": 2, "cpus_per_gpu": 1, "time": "00:05:00"}})
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    info = slurm.wait(job, timeout=120)
+    out = slurm.job_output(run_dir, job)
+    assert info["JobState"] == "FAILED", out
+    time.sleep(3)  # a requeue by rank 0 would show by now
+    info = slurm.job(job)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", out
+    assert "requeued job" not in out and "preempted" not in out, out
+    assert "a crash, not a preemption" in out
+    failure = first_failure(run_dir)
+    assert failure is not None and failure.rank == 1
+    assert failure.exit_code == (3 if how == "raises" else 128 + 9)
+
+
+def test_a_preemption_signal_while_starting_requeues_and_the_run_completes(slurm) -> None:
+    """USR2 lands while the ranks import torch and build the model, on the first run and the next."""
+    doc = slurm.tiny_train(max_steps=6)
+    spec = slurm.write_spec(doc)
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    for restart in ("0", "1"):
+        slurm.wait_for(lambda: slurm.job(job).get("JobState") == "RUNNING"
+                       and slurm.job(job).get("Restarts") == restart, timeout=120, what=f"run {restart}")
+        time.sleep(1.5)  # the ranks are importing torch and transformers
+        subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
+        slurm.wait_for(lambda: slurm.job(job).get("Restarts") != restart or slurm.job(job).get("JobState")
+                       in ("COMPLETED", "FAILED"), timeout=120, what=f"the requeue of run {restart}")
+    info = slurm.wait(job, timeout=240)
+    out = slurm.job_output(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", out
+    stops = [r for r in slurm.metrics(run_dir) if r["kind"] == "stop"]
+    assert [s["restart_count"] for s in stops] == [0, 1], out
+    assert max(slurm.loss_log(run_dir)) == 6
