@@ -124,3 +124,16 @@ def test_sigterm_under_the_batch_script_is_a_stop_only_if_the_script_got_it_too(
     assert torn_down_by(spec, env, signal.SIGTERM, tmp_path, wait_s=0) is None
     # the local executor: SIGTERM is Ctrl-C or hpcgpu cancel unless a rank recorded a failure
     assert torn_down_by(spec, in_rank(0, "local"), signal.SIGTERM, tmp_path / "elsewhere", wait_s=0) is None
+
+
+def test_an_accelerate_script_runs_distributed_on_cpu_ranks(tmp_path: Path) -> None:
+    """Without ACCELERATE_USE_CPU each CPU rank of an accelerate/HF-Trainer script trains alone."""
+    program = ("from accelerate import Accelerator\n"  # what the HF Trainer and run_clm_no_trainer use
+               "s = Accelerator()\n"
+               "print('accelerate', s.num_processes, s.process_index, s.device, flush=True)\n")
+    spec = write_spec_file(tmp_path, {"name": "acc", "task": "command", "resources": {"gpus": 2, "cpus_per_gpu": 1},
+                                      "command": [sys.executable, "-c", program]})
+    proc = submit(spec)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "runs" / "acc").glob("*/logs/rank-*.log")))
+    assert "accelerate 2 0 cpu" in logs and "accelerate 2 1 cpu" in logs, logs
