@@ -15,9 +15,9 @@ import click
 from hpcgpu.cli.table import format_table
 from hpcgpu.errors import UsageError
 from hpcgpu.launch.jobs import cancel as cancel_job
-from hpcgpu.launch.jobs import is_final, last_progress, log_files, refresh
+from hpcgpu.launch.jobs import RANK_LABEL, is_final, last_progress, log_files, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.scheduler import FINAL_STATES
+from hpcgpu.launch.scheduler import FINAL_STATES, parse_duration
 
 job_argument = click.argument("job_ref", metavar="JOB")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -32,13 +32,21 @@ def elapsed_of(job: JobRecord, unit: JobRecord | TaskRecord) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def gpu_hours(elapsed_s: int | None, gpus: int | None) -> float | None:
+    return None if elapsed_s is None or gpus is None else round(elapsed_s * gpus / 3600, 3)
+
+
 def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
     progress = last_progress(unit.run_dir)
+    elapsed = elapsed_of(job, unit)
+    elapsed_s = parse_duration(elapsed) if elapsed else None
     return {
         "id": unit.job_id if isinstance(unit, JobRecord) else unit.id,
-        "state": unit.state, "reason": unit.reason, "elapsed": elapsed_of(job, unit), "nodes": unit.nodes,
-        "restarts": unit.restarts, "exit_code": unit.exit_code, "step": progress.step, "loss": progress.loss,
-        "run_dir": unit.run_dir,
+        "state": unit.state, "reason": unit.reason, "failure": unit.failure or None,
+        "elapsed": elapsed, "elapsed_s": elapsed_s,  # every run of a requeued job together
+        "gpus": unit.gpus, "gpu_hours": gpu_hours(elapsed_s, unit.gpus),
+        "nodes": unit.nodes, "restarts": unit.restarts, "exit_code": unit.exit_code,
+        "step": progress.step, "loss": progress.loss, "run_dir": unit.run_dir,
     }
 
 
@@ -49,6 +57,8 @@ def job_view(job: JobRecord) -> dict[str, Any]:
     if job.is_array:
         view["tasks"] = [dict(unit_view(job, t), values=t.values) for t in job.tasks]
         view["step"] = view["loss"] = None
+        hours = [t["gpu_hours"] for t in view["tasks"] if t["gpu_hours"] is not None]
+        view["gpu_hours"] = round(sum(hours), 3) if hours else None  # the array's: all its tasks
     view["logs"] = [str(p) for p in log_files(job, None)] if not job.is_array else []
     return view
 
@@ -57,40 +67,63 @@ def fmt_loss(loss: Any) -> str:
     return f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
 
 
+def fmt_hours(hours: Any) -> str:
+    return f"{hours:.2f}" if isinstance(hours, (int, float)) else "-"
+
+
 def state_text(view: dict[str, Any]) -> str:
+    """The state, with why where it helps: SLURM's reason for waiting, or (briefly, for tables)
+    which rank failed where and how."""
     if view["reason"] and view["state"] in ("PENDING", "REQUEUED"):
         return f"{view['state']} ({view['reason']})"
+    failure = view.get("failure")
+    if failure and "rank" in failure:
+        how = failure["signal"] or f"exit {failure['exit_code']}"
+        return f"{view['state']} (rank {failure['rank']} on {failure['node'] or '?'}, {how})"
     return view["state"]
 
 
 def print_jobs(views: list[dict[str, Any]]) -> None:
-    rows = [["JOB", "NAME", "EXECUTOR", "STATE", "ELAPSED", "NODES", "RESTARTS", "STEP", "LOSS", "RUN DIR"]]
+    rows = [["JOB", "NAME", "EXECUTOR", "STATE", "ELAPSED", "GPU-H", "NODES", "RESTARTS", "STEP", "LOSS",
+             "RUN DIR"]]
     for v in views:
         state = state_text(v)
         if "tasks" in v:
             state = f"{state} [{len(v['tasks'])} tasks]"
-        rows.append([v["id"], v["name"], v["executor"], state, v["elapsed"] or "-", v["nodes"] or "-",
-                     str(v["restarts"]), "-" if v["step"] is None else str(v["step"]), fmt_loss(v["loss"]),
-                     v["run_dir"]])
+        rows.append([v["id"], v["name"], v["executor"], state, v["elapsed"] or "-", fmt_hours(v["gpu_hours"]),
+                     v["nodes"] or "-", str(v["restarts"]), "-" if v["step"] is None else str(v["step"]),
+                     fmt_loss(v["loss"]), v["run_dir"]])
     click.echo(format_table(rows))
 
 
+def gpu_time_text(view: dict[str, Any]) -> str:
+    if view["gpu_hours"] is None:
+        return "-"
+    return f"{view['gpu_hours']:.2f} GPU-hours" + (f" ({view['gpus']} GPUs)" if view.get("gpus") else "")
+
+
 def print_job(view: dict[str, Any]) -> None:
+    waiting = view["state"] in ("PENDING", "REQUEUED")
+    # the failed rank's exit code says more than the batch script's, which srun's teardown sets
+    code = view["exit_code"] if view["exit_code"] not in (None, 0) and not view.get("failure") else None
     for label, value in (("job", f"{view['id']} ({view['executor']})"), ("name", view["name"]),
-                         ("state", state_text(view) + (f", exit code {view['exit_code']}"
-                                                       if view["exit_code"] not in (None, 0) else "")),
-                         ("elapsed", view["elapsed"] or "-"), ("nodes", view["nodes"] or "-"),
+                         ("state", state_text(view) + (f", exit code {code}" if code is not None else "")),
+                         ("reason", view["reason"] if view["reason"] and not waiting else None),
+                         ("elapsed", (view["elapsed"] or "-") + (" (all runs)" if view["restarts"] else "")),
+                         ("gpu time", gpu_time_text(view)), ("nodes", view["nodes"] or "-"),
                          ("restarts", view["restarts"]), ("submitted", view["submitted"]),
                          ("spec", view["spec"]), ("run dir", view["run_dir"])):
-        click.echo(f"{label:<10}{value}")
+        if value is not None:
+            click.echo(f"{label:<10}{value}")
     if "tasks" not in view:
         click.echo(f"{'step':<10}{'-' if view['step'] is None else view['step']}  loss {fmt_loss(view['loss'])}")
         for path in view["logs"]:
             click.echo(f"{'log':<10}{path}")
         return
-    rows = [["TASK", "STATE", "ELAPSED", "NODES", "RESTARTS", "STEP", "LOSS", "VALUES", "RUN DIR"]]
+    rows = [["TASK", "STATE", "ELAPSED", "GPU-H", "NODES", "RESTARTS", "STEP", "LOSS", "VALUES", "RUN DIR"]]
     for t in view["tasks"]:
-        rows.append([t["id"], state_text(t), t["elapsed"] or "-", t["nodes"] or "-", str(t["restarts"]),
+        rows.append([t["id"], state_text(t), t["elapsed"] or "-", fmt_hours(t["gpu_hours"]), t["nodes"] or "-",
+                     str(t["restarts"]),
                      "-" if t["step"] is None else str(t["step"]), fmt_loss(t["loss"]),
                      " ".join(f"{k}={v}" for k, v in t["values"].items()), t["run_dir"]])
     click.echo("")
@@ -163,8 +196,7 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
         state = (task or job).state
         raise UsageError(f"no log yet for {job_ref} ({state}): expected {files[0]}")
     offsets = {p: 0 for p in files}
-    label = f"{rank}: " if rank is not None and job.executor != "local" else None
-    emit = (lambda text: only_rank(text, label)) if label else (lambda text: text)
+    emit = (lambda text: only_rank(text, rank)) if rank is not None and job.executor != "local" else (lambda text: text)
     try:
         print_new(offsets, emit)
         while follow:
@@ -181,9 +213,14 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
         return
 
 
-def only_rank(text: str, label: str) -> str:
-    """The lines srun --label gave to one rank, without the label."""
-    return "".join(line[len(label):] for line in text.splitlines(keepends=True) if line.startswith(label))
+def only_rank(text: str, rank: int) -> str:
+    """The lines srun --label gave to one rank, without the label (` 3: ` when ranks reach 10)."""
+    out = []
+    for line in text.splitlines(keepends=True):
+        m = RANK_LABEL.match(line)
+        if m and int(m.group(1)) == rank:
+            out.append(line[m.start(2):])
+    return "".join(out)
 
 
 def print_new(offsets: dict[Path, int], emit: Callable[[str], str] = lambda text: text,

@@ -1,13 +1,15 @@
 """`hpcgpu sbatch SPEC -o FILE`: a readable sbatch script, with the resolved spec in the run dir."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import click
 
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import UsageError
-from hpcgpu.launch.rundir import make_run_dir, missing_inputs, write_atomic
+from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_dir_error, write_atomic
 from hpcgpu.launch.sbatch import render_sbatch
 
 
@@ -25,14 +27,24 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
                          "array; for a single script, pick values with --set and --set sweep={}")
     if output and Path(output).parent and not Path(output).parent.exists():
         raise UsageError(f"-o {output}: the folder {Path(output).parent} does not exist")
-    for item in missing_inputs(spec):
-        click.echo(f"hpcgpu: warning: file not found here: {item} (fine if it exists where the job runs)", err=True)
-    run_dir = make_run_dir(spec)
+    # env_passthrough only warns: the script takes the values from the shell that runs `sbatch` later
+    check_host(spec, passthrough="warn", warn=lambda message: click.echo(f"hpcgpu: {message}", err=True),
+               when="in the shell that runs sbatch")
+    run_dir = run_dir_path(spec)
     spec_path = run_dir / "spec.yaml"
     text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))
-    write_atomic(run_dir / "job.sbatch", text, mode=0o755)
+    make_run_dir(spec, run_id=run_dir.name)  # only once the script renders: no run dir for a refused one
+    try:
+        write_atomic(run_dir / "job.sbatch", text, mode=0o755)
+    except OSError as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise runs_dir_error(spec.runs_dir, exc, run_dir / "job.sbatch") from None
     if output:
-        write_atomic(Path(output), text, mode=0o755)
+        try:
+            write_atomic(Path(output), text, mode=0o755)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)  # no run dir for a script that was not written
+            raise UsageError(f"-o {output}: cannot write it: {exc.strerror or exc}") from None
     click.echo(f"script   {output or run_dir / 'job.sbatch'}")
     click.echo(f"spec     {spec_path}")
     click.echo(f"run dir  {run_dir}")

@@ -9,11 +9,12 @@ from typing import Callable
 import click
 
 from hpcgpu.cli.options import read_spec, spec_options
-from hpcgpu.errors import HpcgpuError, JobFailed
+from hpcgpu.errors import JobFailed
 from hpcgpu.launch.exitcodes import EXIT_STOPPED
 from hpcgpu.launch.jobs import log_files
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir, missing_inputs
+from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir
 from hpcgpu.launch.sweep import SweepTask, sweep_tasks, with_sweep, write_sweep
 from hpcgpu.spec import Spec, dump_spec
 
@@ -37,6 +38,8 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
            sweeps: tuple[str, ...], dry_run: bool, wait: bool, fresh: bool) -> int:
     """Submit SPEC to SLURM and return at once (job id, run dir, logs); --executor local runs it here."""
     spec = with_sweep(read_spec(spec_file, overrides, gpus, nodes), sweeps)
+    # what the job would fail on after its wait in the queue, found here (one line, exit 2)
+    check_host(spec, passthrough="warn" if dry_run else "error", slurm=executor == "slurm", warn=say)
     spec_ref = str(Path(spec_file).resolve())
     if executor == "local":
         return submit_local(spec, spec_ref, dry_run, fresh)
@@ -48,8 +51,6 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
 def submit_slurm(spec: Spec, spec_ref: str, dry_run: bool, wait: bool) -> int:
     from hpcgpu.launch import submission
 
-    for item in missing_inputs(spec):
-        say(f"warning: file not found here: {item} (fine if it exists where the job runs)")
     if dry_run:
         return print_dry_run(spec)
     registry = Registry()
@@ -108,6 +109,9 @@ def print_submitted(record: JobRecord, spec: Spec) -> None:
 # --- local executor -------------------------------------------------------------------------------
 
 def submit_local(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool) -> int:
+    from hpcgpu.procs import die_with_parent
+
+    die_with_parent()  # started by `hpcgpu queue`: this job ends with the queue (a no-op otherwise)
     tasks = sweep_tasks(spec)
     if dry_run:
         click.echo(dump_spec(spec), nl=False)
@@ -116,21 +120,34 @@ def submit_local(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool) -> int:
         click.echo(f"# would run {spec.resources.gpus} local rank(s): python -m hpcgpu run <run dir>/spec.yaml"
                    + (f", for each of {len(tasks)} sweep tasks in turn" if tasks else ""))
         return 0
-    missing = missing_inputs(spec)
-    if missing:
-        raise HpcgpuError(f"file not found: {missing[0]}")
     if tasks:
         return run_local_sweep(spec, spec_ref, tasks)
+    import contextlib
+
+    from hpcgpu.launch import runlock
+
     registry = Registry()
-    run_dir = None if fresh else find_unfinished_run(spec, in_use=run_dirs_in_use(registry))
-    if run_dir is not None:
-        say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
-    else:
-        run_dir = make_run_dir(spec)
-    record = registry.add(local_record(spec, spec_ref, run_dir))
-    job_id = record.job_id
-    click.echo(f"job {job_id} (local), run dir {run_dir}", err=True)
-    code = run_recorded(registry, record, spec, run_dir)
+    run_dir = None if fresh else find_unfinished_run(spec)
+    if run_dir is not None and run_dirs_in_use(registry)(run_dir):
+        # the same command while the job (or ranks it left) still runs: never a second writer
+        raise runlock.RunDirLocked(run_dir)
+    with contextlib.ExitStack() as held:
+        if run_dir is not None:
+            held.enter_context(runlock.hold(run_dir))  # RunDirLocked if one took it just now
+            say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
+        else:
+            for attempt in range(3):
+                run_dir = make_run_dir(spec)
+                try:  # locked from here until the ranks have ended (the executor holds it too)
+                    held.enter_context(runlock.hold(run_dir))
+                    break
+                except runlock.RunDirLocked:  # a concurrent same-spec submit took our new dir
+                    if attempt == 2:
+                        raise
+        record = registry.add(local_record(spec, spec_ref, run_dir))
+        job_id = record.job_id
+        click.echo(f"job {job_id} (local), run dir {run_dir}", err=True)
+        code = run_recorded(registry, record, spec, run_dir)
     if code == EXIT_STOPPED:
         click.echo(f"job {job_id} stopped at a checkpoint; run the same command again to resume", err=True)
         return code
@@ -141,12 +158,15 @@ def submit_local(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool) -> int:
 
 
 def run_dirs_in_use(registry: Registry) -> Callable[[Path], bool]:
-    """Run dirs that a live local job writes to: a second executor must not resume into them."""
+    """Run dirs that a live local job writes to: a second executor must not resume into them.
+    Locked (any rank of a live job holds <run dir>/.lock, even after its launcher was killed), or
+    recorded as run by a live local executor (a job started before run dirs were locked)."""
     from hpcgpu.launch.jobs import executor_alive
+    from hpcgpu.launch.runlock import is_locked
 
     def in_use(run_dir: Path) -> bool:
-        return any(j.executor == "local" and j.state == "RUNNING" and executor_alive(j)
-                   for j in registry.with_run_dir(str(run_dir)))
+        return is_locked(run_dir) or any(j.executor == "local" and j.state == "RUNNING" and executor_alive(j)
+                                         for j in registry.with_run_dir(str(run_dir)))
 
     return in_use
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.launch.checks import check_host
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.spec import dump_spec
 
@@ -14,6 +15,7 @@ from hpcgpu.spec import dump_spec
 def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, full: bool) -> None:
     """Check SPEC and print what it resolves to."""
     spec = read_spec(spec_file, overrides, gpus, nodes)
+    check_host(spec)  # input files, model type, runs_dir: what the job would fail on, found here
     r = spec.resources
     click.echo(f"{spec_file}: ok")
     click.echo(f"  name      {spec.name}")
@@ -29,6 +31,8 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
                    f"micro batch {t.micro_batch_size}, {t.max_steps} steps")
     if spec.task == "command":
         click.echo(f"  command   {' '.join(spec.command or [])}")
+    if spec.env_passthrough:
+        click.echo(f"  from env  {' '.join(spec.env_passthrough)} (taken from the shell you submit from)")
     opts = " ".join(f"--{k}" + ("" if v is None else f"={v}") for k, v in sbatch_options(spec, __import__('pathlib').Path("RUN_DIR")))
     click.echo(f"  sbatch    {opts}")
     if full:

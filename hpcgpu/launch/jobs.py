@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 from pathlib import Path
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.launch.exitcodes import is_finished
+from hpcgpu.launch.exitcodes import EXIT_STOPPED, Failure, is_finished, read_failures
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.scheduler import FINAL_STATES, JobInfo, cancel_jobs, knows_job, parse_duration, query_jobs
+from hpcgpu.launch.scheduler import (FINAL_STATES, JobInfo, cancel_jobs, format_duration, knows_job, parse_duration,
+                                     query_jobs)
 
 ACTIVE_ORDER = ("RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "PENDING", "SUSPENDED")
 # Final in SLURM's words, yet SLURM (PreemptMode=REQUEUE, a node coming back) or our own rank 0 may
@@ -37,12 +39,45 @@ def shown_state(info: JobInfo) -> str:
 
 
 def _apply(target: JobRecord | TaskRecord, info: JobInfo) -> None:
+    if info.state == "COMPLETING" and info.restarts > target.restarts:
+        # SLURM is still tearing down the run it requeues; its times (SubmitTime = the requeue)
+        # settle in a moment, and the run is counted then
+        target.state, target.nodes = "REQUEUED", ""
+        return
     target.state = shown_state(info)
     target.reason = info.reason if info.state in ("PENDING", "REQUEUED") or target.state == "REQUEUED" else ""
-    target.elapsed = info.elapsed
-    target.nodes = info.nodes or target.nodes
+    _count_runs(target, info)
+    # a job waiting again holds no node; a finished one keeps where it ran
+    target.nodes = "" if target.state in ("PENDING", "REQUEUED") else (info.nodes or target.nodes)
     target.restarts = info.restarts
     target.exit_code = info.exit_code
+    if info.gpus is not None:
+        target.gpus = info.gpus
+
+
+def _count_runs(target: JobRecord | TaskRecord, info: JobInfo) -> None:
+    """Elapsed over all runs: squeue's TimeUsed restarts at every requeue, so the registry keeps the
+    earlier runs' seconds; sacct, where accounting works, lists every run and wins."""
+    current = parse_duration(info.elapsed) or 0
+    if info.restarts > target.restarts:
+        target.earlier_runs_s += _ended_run_s(target, info)
+        target.run_start = None
+    if info.state in ("RUNNING", "SUSPENDED") and info.start:
+        target.run_start = info.start
+    if info.total_s is not None:
+        target.earlier_runs_s = max(0, info.total_s - current)
+    if info.elapsed or target.earlier_runs_s:
+        target.elapsed = format_duration(target.earlier_runs_s + current)
+
+
+def _ended_run_s(target: JobRecord | TaskRecord, info: JobInfo) -> int:
+    """The run that a requeue ended: its start (seen while it ran) to the requeue, which SLURM
+    writes into SubmitTime; else as long as it had run when last looked at."""
+    seen = max(0, (parse_duration(target.elapsed) or 0) - target.earlier_runs_s)
+    one_requeue = info.restarts == target.restarts + 1
+    if one_requeue and target.run_start and info.submit and info.submit >= target.run_start:
+        return max(seen, int(info.submit - target.run_start))
+    return seen
 
 
 def array_state(tasks: list[TaskRecord]) -> str:
@@ -72,16 +107,19 @@ def refresh(registry: Registry, jobs: list[JobRecord]) -> list[JobRecord]:
     """Bring the jobs' states up to date (one scheduler call for all SLURM jobs) and save them."""
     slurm = [j for j in jobs if j.executor == "slurm" and needs_query(j)]
     infos = query_jobs([j.job_id for j in slurm]) if slurm else {}
-    for job in slurm:
-        changed = _refresh_slurm(job, infos)
-        if changed:
-            registry.save(job)
+    asked = {id(j) for j in slurm}
     for job in jobs:
-        if job.executor == "local" and not is_final(job.state) and not executor_alive(job):
+        changed = False
+        if id(job) in asked:
+            changed = _refresh_slurm(job, infos)
+        elif job.executor == "local" and not is_final(job.state) and not executor_alive(job):
             # the executor records the final state itself; gone without doing so means it was killed
-            registry.update(job, state="CANCELLED" if job.cancel_requested else "FAILED",
-                            reason="the local executor process ended without recording a result",
-                            ended=job.ended or time.time())
+            job.state = "CANCELLED" if job.cancel_requested else "FAILED"
+            job.reason = "the local executor process ended without recording a result"
+            job.ended = job.ended or time.time()
+            changed = True
+        if explain_failures(job) or changed:
+            registry.save(job)
     return jobs
 
 
@@ -119,6 +157,174 @@ def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) 
     else:
         run_dir, stem = Path(job.run_dir), f"slurm-{job.job_id}"
     return [run_dir / f"{stem}.out", run_dir / f"{stem}.err"]
+
+
+# --- why a job failed ------------------------------------------------------------------------------
+
+FAILED_STATES = frozenset({"FAILED", "OUT_OF_MEMORY"})
+LOG_TAIL_BYTES = 64 * 1024  # failures are at the end of a log: never read a whole (multi-GB) one
+MESSAGE_CHARS = 300
+# srun's report of a task that ended badly: "srun: error: n2: task 1: Exited with exit code 3",
+# "srun: error: n1: tasks 0-1,3: Killed", "srun: error: n1: task 0: Segmentation fault (core dumped)"
+SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^\s:]+): tasks? (?P<tasks>\d[\d,\-]*): (?P<how>.+?)\s*$")
+RANK_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label pads the rank to the widest one
+SCHEDULER_LINE = re.compile(r"^(srun|slurmstepd(-[^\s:]+)?|slurmd)(\[\d+\])?: ")
+SIGNAL_TEXTS = {text.lower(): int(sig) for sig in signal.Signals if (text := signal.strsignal(sig))}
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """One rank that srun reported as failed."""
+
+    rank: int
+    node: str
+    exit_code: int | None
+    how: str  # srun's words: "Exited with exit code 3", "Killed", "Out Of Memory"
+
+
+def explain_failures(job: JobRecord) -> bool:
+    """Give each FAILED unit of the job its reason, once (failure None: not looked at yet).
+    Returns whether anything changed."""
+    changed = False
+    for unit in units_of(job):
+        if unit.state in FAILED_STATES and unit.failure is None:
+            unit.failure, reason = failure_of(job, unit)
+            unit.reason = reason or unit.reason
+            changed = True
+    if job.is_array and changed and job.state in FAILED_STATES:
+        first = next((t for t in job.tasks if t.state in FAILED_STATES and t.reason), None)
+        job.reason = f"task {first.id}: {first.reason}" if first else job.reason
+    return changed
+
+
+def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, Any], str]:
+    """Which rank failed first, where, how, and its last error line -> (fields, one-line reason).
+
+    Sources, most trusted first: the failure records the ranks (or the local executor) wrote;
+    srun's lines in the job's stderr; the exit code SLURM gives. Fields are {} when no rank is known.
+    """
+    task = unit if isinstance(unit, TaskRecord) else None
+    unit_id = task.id if task else job.job_id
+    if job.executor == "local":
+        failure = recorded_failure(Path(unit.run_dir), unit_id, None)
+        if failure is None:
+            return {}, ""  # the executor's own reason ("exit code N") stays
+        lines = tail_lines(log_files(job, task, failure.rank)[0])
+        return _described(replace(failure, message=failure.message or last_line(lines)))
+    out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
+    failure = recorded_failure(Path(unit.run_dir), unit_id, unit.restarts)
+    srun = first_failed_task(err_lines) or first_failed_task(out_lines)
+    if failure is None and srun is not None:
+        failure = Failure(f"{unit_id}.{unit.restarts}", srun.rank, srun.node, srun.exit_code, "", time.time())
+    if failure is None:
+        line = last_line(err_lines, rank=None)  # the batch script's own: a setup line that failed
+        how = "no exit code known" if unit.exit_code is None else f"exit code {unit.exit_code}"
+        return {}, how + (f": {line}" if line else "")
+    message = failure.message or rank_error_line(failure.rank, err_lines, out_lines)
+    if not message and srun is not None and srun.rank == failure.rank and "exit code" not in srun.how:
+        message = srun.how  # "Out Of Memory", "Killed": better than nothing
+    node = failure.node or (srun.node if srun is not None and srun.rank == failure.rank else "")
+    return _described(replace(failure, message=message, node=node))
+
+
+def _described(failure: Failure) -> tuple[dict[str, Any], str]:
+    message = failure.message.strip()
+    if len(message) > MESSAGE_CHARS:
+        message = message[:MESSAGE_CHARS - 3] + "..."
+    failure = replace(failure, message=message)
+    fields = {"rank": failure.rank, "node": failure.node, "exit_code": failure.exit_code,
+              "signal": failure.signal_name, "message": message}
+    return fields, failure.describe()
+
+
+def recorded_failure(run_dir: Path, unit_id: str, restarts: int | None) -> Failure | None:
+    """The first failure the ranks recorded in this unit's run `restarts` (SLURM), or in its latest
+    attempt that recorded one (local); an older run's record never speaks for this one."""
+    mine = [f for f in read_failures(run_dir) if f.attempt.startswith(f"{unit_id}.")]
+    attempt = f"{unit_id}.{restarts}" if restarts is not None else (mine[-1].attempt if mine else "")
+    return next((f for f in mine if f.attempt == attempt), None)
+
+
+def tail_lines(path: Path, max_bytes: int = LOG_TAIL_BYTES) -> list[str]:
+    """The last lines of a file, reading at most max_bytes ([] if it is not there)."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - max_bytes))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    return lines[1:] if size > max_bytes else lines  # the first one is cut by the seek
+
+
+def first_failed_task(lines: list[str]) -> TaskEnd | None:
+    """The first task srun reported as failed in the last run of the log.
+
+    A requeued job appends every run to the same log, so the failed run's block of srun lines is
+    read backwards and ends at a task named twice (an earlier run) or at a run stopped at a
+    checkpoint (exit 75) before it."""
+    block: list[TaskEnd] = []
+    seen: set[int] = set()
+    for line in reversed(lines):
+        m = SRUN_TASK_LINE.match(line)
+        if not m:
+            continue
+        ranks, code = task_ids(m["tasks"]), srun_exit_code(m["how"])
+        if code == EXIT_STOPPED or seen.intersection(ranks):
+            if block:
+                break
+            continue
+        seen.update(ranks)
+        block.append(TaskEnd(ranks[0], m["node"], code, m["how"]))
+    return block[-1] if block else None
+
+
+def task_ids(text: str) -> list[int]:
+    """srun's task list `0-1,3` -> [0, 1, 3]."""
+    out: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit():
+            out.extend(range(int(low), int(high if high.isdigit() else low) + 1))
+    return out
+
+
+def srun_exit_code(how: str) -> int | None:
+    """srun's words for how a task ended -> the shell's exit code (a signal N -> 128+N)."""
+    m = re.match(r"Exited with exit code (\d+)", how)
+    if m:
+        return int(m.group(1))
+    text = how.replace("(core dumped)", "").strip().lower()
+    if text == "out of memory":
+        return 128 + signal.SIGKILL  # the kernel's OOM killer
+    sig = SIGNAL_TEXTS.get(text)
+    return 128 + sig if sig else None
+
+
+def rank_error_line(rank: int, *logs: list[str]) -> str:
+    """The last line a rank wrote (srun --label: `N: text`), stderr first, not srun's own."""
+    for lines in logs:
+        line = last_line(lines, rank)
+        if line:
+            return line
+    return ""
+
+
+def last_line(lines: list[str], rank: int | None = -1) -> str:
+    """The last non-empty line: of one rank (`N: ` labels), of no rank (None: the batch script's
+    own lines), or any (-1: an unlabelled log); scheduler lines are skipped."""
+    for line in reversed(lines):
+        m = RANK_LABEL.match(line)
+        if rank == -1:
+            text = line
+        elif rank is None:
+            text = "" if m else line
+        else:
+            text = m.group(2) if m and int(m.group(1)) == rank else ""
+        text = text.strip()
+        if text and not SCHEDULER_LINE.match(text):
+            return text
+    return ""
 
 
 def unknown_state(run_dir: Path) -> tuple[str, str]:
@@ -216,7 +422,8 @@ def describe(job: JobRecord) -> str:
         for t in job.tasks:
             counts[t.state] = counts.get(t.state, 0) + 1
         return f"{job.state} ({', '.join(f'{n} {s}' for s, n in counts.items())})"
-    detail = job.reason if job.state in ("PENDING", "REQUEUED") and job.reason else job.nodes
+    says_why = job.state in ("PENDING", "REQUEUED") or job.state in FAILED_STATES
+    detail = job.reason if says_why and job.reason else job.nodes
     return f"{job.state} ({detail})" if detail else job.state
 
 

@@ -3,6 +3,13 @@
 Each rank gets the SLURM_* variables srun would set (plus HPCGPU_LAUNCHER=local), so the entrypoint
 runs the same code path as on the cluster. Rank 0 streams to the console; every rank logs to
 <run dir>/logs/rank-N.log. One rank failing stops the others within a few seconds.
+
+No rank outlives its launcher and no run dir gets two live jobs: the executor locks the run dir
+(launch/runlock.py) and hands the lock's open file to every rank, so the lock is held while any
+rank lives and is released by the kernel when the last one is gone; each rank asks the kernel to
+SIGKILL it when the launcher dies (HPCGPU_PARENT_PID, hpcgpu/procs.py), so a launcher killed with
+SIGKILL takes its ranks along. Orderly stops (Ctrl-C, SIGTERM, a terminal hang-up, `hpcgpu cancel`)
+go through the launcher: the ranks checkpoint and stop.
 """
 from __future__ import annotations
 
@@ -18,7 +25,9 @@ from pathlib import Path
 from typing import IO, Callable
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch import runlock
 from hpcgpu.launch.exitcodes import is_finished, write_finished
+from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
 
@@ -85,14 +94,24 @@ class Rank:
 
 
 def _pump(src: IO[str], sinks: list[IO[str]]) -> None:
+    sinks = list(sinks)
     for line in iter(src.readline, ""):
-        for sink in sinks:
-            sink.write(line)
-            sink.flush()
+        for sink in list(sinks):
+            try:
+                sink.write(line)
+                sink.flush()
+            except (OSError, ValueError):  # a closed console (terminal gone): the log keeps going
+                sinks.remove(sink)
 
 
 def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[str] | None,
-                restart_count: int = 0) -> list[Rank]:
+                restart_count: int = 0, lock: runlock.RunLock | None = None) -> list[Rank]:
+    """Start the ranks from this thread (it must outlive them: the kernel's parent-death signal
+    follows the thread that forked). Every rank holds the run dir lock (`lock`, else one taken
+    here) for as long as it lives; RunDirLocked if another live job holds it."""
+    if lock is None:
+        with runlock.hold(run_dir, job_id) as own:
+            return start_ranks(spec, spec_path, run_dir, job_id, echo, restart_count, own)
     if spec.resources.nodes > 1:
         raise HpcgpuError("the local executor runs on one node: use --nodes 1 (or submit to SLURM)")
     world = spec.resources.gpus
@@ -106,11 +125,13 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
     for i in range(world):
         log = open(logs / f"rank-{i}.log", "a", buffering=1)
         pipe = i == 0 and echo is not None
+        env = rank_environ(spec, i, world, job_id, port, gpus, run_dir, restart_count)
+        env[PARENT_PID_VAR] = str(os.getpid())  # the rank dies with us (`hpcgpu run` reads it first)
         proc = subprocess.Popen(
             [sys.executable, "-m", "hpcgpu", "run", str(spec_path)],
-            env=rank_environ(spec, i, world, job_id, port, gpus, run_dir, restart_count),
-            stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT, text=True,
+            env=env, stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,  # Ctrl-C reaches the executor only; it decides what ranks get
+            pass_fds=() if lock.fd is None else (lock.fd,),  # the run dir stays locked while a rank lives
         )
         if pipe:
             threading.Thread(target=_pump, args=(proc.stdout, [log, echo]), daemon=True).start()
@@ -134,14 +155,20 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
 
     def on_interrupt(signum: int, frame: object) -> None:
         if interrupted:
-            say("second interrupt: killing all ranks")
+            _say_safely(say, "second interrupt: killing all ranks")
             _signal_all(ranks, signal.SIGKILL)
         else:
-            say("interrupt: asking all ranks to checkpoint and stop (again to kill)")
+            what = "hang-up" if signum == getattr(signal, "SIGHUP", None) else "interrupt"
+            _say_safely(say, f"{what}: asking all ranks to checkpoint and stop (again to kill)")
             _signal_all(ranks, preempt_sig)
         interrupted.append(time.monotonic())
 
-    previous = {s: signal.signal(s, on_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a closed terminal (SIGHUP) stops the ranks at a checkpoint: dying of it would SIGKILL them
+    # (they die with us); under nohup (SIGHUP ignored) it stays ignored
+    stops = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        stops.append(signal.SIGHUP)
+    previous = {s: signal.signal(s, on_interrupt) for s in stops}
     first_failure: tuple[int, int] | None = None
     deadline: float | None = None
     try:
@@ -175,6 +202,13 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
     return _shell_code(code)
 
 
+def _say_safely(say: Callable[[str], None], message: str) -> None:
+    try:
+        say(message)
+    except (OSError, ValueError):  # the console is gone (hang-up): the stop itself matters
+        pass
+
+
 def tail(path: str, lines: int = 15) -> str:
     try:
         text = Path(path).read_text(errors="replace").splitlines()
@@ -189,10 +223,16 @@ def _shell_code(code: int) -> int:
 
 def run_local(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[str] | None = None,
               say: Callable[[str], None] = lambda m: print(f"hpcgpu: {m}", file=sys.stderr)) -> int:
-    ranks = start_ranks(spec, spec_path, run_dir, job_id, echo if echo is not None else sys.stdout)
-    code = wait_ranks(ranks, spec, say)
-    if code == 0 and not is_finished(run_dir):
-        # every rank of a command or callable job ended well: the run is done, like a finished
-        # training run, so the same spec again starts afresh instead of re-running in this dir
-        write_finished(run_dir)
+    """Run the job's ranks here and wait for them. The run dir is locked (RunDirLocked, one line,
+    if another live job holds it) from before the first rank starts until all have ended."""
+    with runlock.hold(run_dir, job_id) as lock:
+        if lock.unsupported:
+            say(f"warning: {lock.unsupported}")
+        ranks = start_ranks(spec, spec_path, run_dir, job_id, echo if echo is not None else sys.stdout,
+                            lock=lock)
+        code = wait_ranks(ranks, spec, say)
+        if code == 0 and not is_finished(run_dir):
+            # every rank of a command or callable job ended well: the run is done, like a finished
+            # training run, so the same spec again starts afresh instead of re-running in this dir
+            write_finished(run_dir)
     return code

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence
 
 from hpcgpu.launch.exitcodes import EXIT_STOPPED
+from hpcgpu.procs import PARENT_PID_VAR
 
 JOB_LINE = re.compile(r"job (\S+) \(local\), run dir (\S+)")
 
@@ -65,10 +66,13 @@ class Running(Protocol):
 
 class SubmitProcess:
     """`hpcgpu submit ... --executor local` as a child in its own session (a terminal's Ctrl-C
-    reaches the queue only; the queue forwards one signal), its stderr scanned for the job id."""
+    reaches the queue only; the queue forwards one signal), its stderr scanned for the job id.
+    It dies with the queue (HPCGPU_PARENT_PID, hpcgpu/procs.py), and its ranks with it: start it
+    from the thread that runs the queue."""
 
     def __init__(self, entry: QueueEntry, devices: list[str] | None):
         env = dict(os.environ)
+        env[PARENT_PID_VAR] = str(os.getpid())  # the job (and its ranks) ends with the queue
         if devices is not None:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ids mean what nvidia-smi and NVML show
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)

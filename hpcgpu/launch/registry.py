@@ -22,7 +22,7 @@ from typing import Any, Collection, Iterator
 from hpcgpu.errors import HpcgpuError
 
 BUSY_TIMEOUT_MS = 60_000
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -44,11 +44,18 @@ CREATE TABLE IF NOT EXISTS jobs (
     pid_start  TEXT,                      -- its start time, so a reused pid is never signalled
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     ended      REAL,
-    updated    REAL NOT NULL
+    updated    REAL NOT NULL,
+    failure    TEXT,                      -- JSON {rank, node, exit_code, signal, message}, {}: none found
+    earlier_runs_s INTEGER NOT NULL DEFAULT 0, -- seconds of the runs before the current one (requeues)
+    run_start  REAL,                      -- when the current run started, as SLURM said while it ran
+    gpus       INTEGER                    -- GPUs of one run, all nodes together (NULL: not known)
 );
 CREATE INDEX IF NOT EXISTS jobs_job_id ON jobs (job_id);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
 """
+# Columns added since version 1 (ALTER TABLE brings an older registry up to date).
+ADDED_COLUMNS = {"failure": "TEXT", "earlier_runs_s": "INTEGER NOT NULL DEFAULT 0", "run_start": "REAL",
+                 "gpus": "INTEGER"}
 
 
 NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs",
@@ -82,10 +89,44 @@ def journal_mode_for(path: Path) -> str:
 
 def registry_path() -> Path:
     explicit = os.environ.get("HPCGPU_REGISTRY")
-    if explicit:
-        return Path(explicit).expanduser()
+    return Path(explicit).expanduser() if explicit else default_registry_path()
+
+
+def default_registry_path() -> Path:
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(state) / "hpcgpu" / "jobs.db"
+
+
+def make_private(path: Path, tighten: bool = False) -> None:
+    """Create the registry's folder 0700 and its file 0600, whatever the umask: on a shared cluster
+    its rows (spec paths, run dirs, error lines) are nobody else's business. SQLite gives the -wal
+    and -shm files the database file's mode. Existing ones keep their mode (a team may share a
+    registry through HPCGPU_REGISTRY on purpose), except in the default place when `tighten`:
+    there a registry an older hpcgpu made 0644 becomes private."""
+    folder = path.parent
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700)
+        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
+    except FileExistsError:
+        if tighten:
+            _chmod_if_mine(folder, 0o700)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.chmod(path, 0o600)  # an odd umask (0277) must not leave it read-only
+    except FileExistsError:
+        if tighten:
+            for name in (path.name, path.name + "-wal", path.name + "-shm"):
+                _chmod_if_mine(folder / name, 0o600)
+
+
+def _chmod_if_mine(path: Path, mode: int) -> None:
+    try:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o777 & ~mode:
+            os.chmod(path, mode)
+    except OSError:
+        pass  # gone, or not ours: it keeps working as it is
 
 
 @dataclass
@@ -99,8 +140,12 @@ class TaskRecord:
     reason: str = ""
     restarts: int = 0
     nodes: str = ""
-    elapsed: str = ""
+    elapsed: str = ""  # all runs together
     exit_code: int | None = None
+    failure: dict[str, Any] | None = None  # why it FAILED; None: not looked yet, {}: nothing found
+    earlier_runs_s: int = 0
+    run_start: float | None = None
+    gpus: int | None = None
 
 
 @dataclass
@@ -123,6 +168,10 @@ class JobRecord:
     cancel_requested: bool = False
     ended: float | None = None
     updated: float = field(default_factory=time.time)
+    failure: dict[str, Any] | None = None
+    earlier_runs_s: int = 0
+    run_start: float | None = None
+    gpus: int | None = None
     key: int | None = None
 
     @property
@@ -137,19 +186,25 @@ class JobRecord:
 
 
 _COLUMNS = [f.name for f in fields(JobRecord) if f.name != "key"]
+_TASK_FIELDS = {f.name for f in fields(TaskRecord)}
+_JOB_FIELDS = {f.name for f in fields(JobRecord)}
 
 
 def _to_row(job: JobRecord) -> dict[str, Any]:
     row = {name: getattr(job, name) for name in _COLUMNS}
     row["tasks"] = json.dumps([asdict(t) for t in job.tasks])
     row["cancel_requested"] = int(job.cancel_requested)
+    row["failure"] = None if job.failure is None else json.dumps(job.failure)
     return row
 
 
 def _from_row(row: sqlite3.Row) -> JobRecord:
-    data = dict(row)
-    data["tasks"] = [TaskRecord(**t) for t in json.loads(data["tasks"] or "[]")]
+    # columns or task keys that a newer hpcgpu may add are skipped: a shared registry stays readable
+    data = {k: v for k, v in dict(row).items() if k in _JOB_FIELDS}
+    data["tasks"] = [TaskRecord(**{k: v for k, v in t.items() if k in _TASK_FIELDS})
+                     for t in json.loads(data["tasks"] or "[]")]
     data["cancel_requested"] = bool(data["cancel_requested"])
+    data["failure"] = json.loads(data["failure"]) if data.get("failure") else None
     return JobRecord(**data)
 
 
@@ -163,11 +218,11 @@ class Registry:
         if self._db is not None:
             return self._db
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private(self.path, tighten=self.path == default_registry_path())
             db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
             db.row_factory = sqlite3.Row
             db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+            if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:  # new, or an older hpcgpu's
                 self._create(db, journal_mode_for(self.path))
         except (sqlite3.Error, OSError) as exc:
             raise HpcgpuError(f"job registry {self.path}: {exc} (set HPCGPU_REGISTRY to a writable file)") from None
@@ -184,6 +239,10 @@ class Registry:
             for statement in SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            have = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in ADDED_COLUMNS.items():
+                if name not in have:  # a registry written by an older hpcgpu
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             db.execute("COMMIT")
         except BaseException:

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from hpcgpu.errors import SpecError
 from hpcgpu.launch.exitcodes import is_finished
 from hpcgpu.spec import Spec, dump_spec
 
@@ -22,19 +24,70 @@ def run_dir_path(spec: Spec, root: str | os.PathLike | None = None, run_id: str 
 
 
 def make_run_dir(spec: Spec, root: str | os.PathLike | None = None, run_id: str | None = None) -> Path:
-    """Create the run dir and write spec.yaml atomically (never a half-written spec)."""
+    """Create the run dir and write spec.yaml atomically (never a half-written spec).
+
+    A runs_dir that cannot hold it (read-only, a file in the way, under /proc) is one SpecError naming
+    runs_dir and the path, and every folder made on the way is removed again."""
     run_dir = run_dir_path(spec, root, run_id)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / "spec.yaml", dump_spec(spec))
+    runs_dir = str(root) if root is not None else spec.runs_dir
+    created = make_dirs(run_dir, runs_dir)
+    try:
+        write_atomic(run_dir / "spec.yaml", dump_spec(spec))
+    except OSError as exc:
+        remove_dirs(created)
+        raise runs_dir_error(runs_dir, exc, run_dir / "spec.yaml") from None
     return run_dir
+
+
+def runs_dir_error(runs_dir: str, exc: OSError, path: Path | None = None) -> SpecError:
+    where = exc.filename or path
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError):
+        reason = "a file is in the way"
+    return SpecError("runs_dir", f"{runs_dir}: cannot make {where}: {reason}; set runs_dir to a folder you can write")
+
+
+def make_dirs(path: Path, runs_dir: str) -> list[Path]:
+    """`mkdir -p path`; returns the folders this call made, outermost first (remove_dirs undoes them).
+    A failure is one runs_dir SpecError, with nothing made left behind."""
+    created: list[Path] = []
+    for folder in reversed([path, *path.parents]):
+        try:
+            folder.mkdir()
+            created.append(folder)
+        except FileExistsError as exc:
+            if not folder.is_dir():
+                remove_dirs(created)
+                raise runs_dir_error(runs_dir, exc, folder) from None
+        except OSError as exc:
+            remove_dirs(created)
+            raise runs_dir_error(runs_dir, exc, folder) from None
+    return created
+
+
+def remove_dirs(created: list[Path]) -> None:
+    """Undo make_dirs: the innermost folder with what was written into it, then its parents if empty
+    (another submission may have put its own run dir next to ours meanwhile)."""
+    if not created:
+        return
+    shutil.rmtree(created[-1], ignore_errors=True)
+    for folder in reversed(created[:-1]):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    if mode is not None:
-        tmp.chmod(mode)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        if mode is not None:
+            tmp.chmod(mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def submitted_to_slurm(run_dir: Path) -> bool:
@@ -46,12 +99,17 @@ def submitted_to_slurm(run_dir: Path) -> bool:
 def runs_of_this_spec(spec: Spec) -> Iterator[Path]:
     """Run dirs of this spec's name whose resolved spec.yaml is identical to it, newest first."""
     base = Path(spec.runs_dir).expanduser() / spec.name
-    if not base.is_dir():
+    try:
+        found = sorted((p for p in base.iterdir() if p.is_dir()), reverse=True)
+    except OSError:  # none yet, or a folder we cannot read: nothing of ours to resume
         return
     text = dump_spec(spec)
-    for run_dir in sorted((p for p in base.iterdir() if p.is_dir()), reverse=True):
-        spec_file = run_dir / "spec.yaml"
-        if spec_file.exists() and spec_file.read_text() == text:
+    for run_dir in found:
+        try:
+            same = (run_dir / "spec.yaml").read_text() == text
+        except (OSError, UnicodeDecodeError):
+            continue
+        if same:
             yield run_dir.resolve()
 
 
@@ -69,10 +127,8 @@ def find_finished_run(spec: Spec) -> Path | None:
 
 
 def missing_inputs(spec: Spec) -> list[str]:
-    """Input files the spec names that do not exist here, as 'key: path' (hub ids are not paths)."""
-    out = []
-    for key, value in (("data.train", spec.data.train), ("data.eval", spec.data.eval),
-                       ("distributed.deepspeed.config", spec.distributed.deepspeed.config)):
-        if value and not Path(value).exists():
-            out.append(f"{key}: {value}")
-    return out
+    """Input files the spec names that do not exist here, as 'key: path' (hub ids are not paths).
+    launch/checks.py says more (unreadable, a folder for a file) for validate, sbatch and submit."""
+    from hpcgpu.launch.checks import input_paths
+
+    return [f"{key}: {value}" for key, value in input_paths(spec) if not Path(value).expanduser().exists()]

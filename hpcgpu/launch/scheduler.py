@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from hpcgpu.errors import SchedulerError
 
@@ -134,13 +135,20 @@ class JobInfo:
     id: str  # "123" or "123_4"
     state: str
     reason: str = ""
-    elapsed: str = ""
+    elapsed: str = ""  # the current run only (SLURM restarts the clock at every requeue)
     nodes: str = ""
     restarts: int = 0
     exit_code: int | None = None
+    start: float | None = None  # the current run's start (epoch), while it runs
+    submit: float | None = None  # SLURM resets it to the moment of every requeue
+    gpus: int | None = None  # GPUs allocated (or asked for) per run, all nodes together
+    total_s: int | None = None  # every run together, where accounting (sacct) lists each run
 
 
-SQUEUE_FIELDS = "JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,RestartCnt:|,exit_code:|"
+SQUEUE_FIELDS = ("JobArrayID:|,State:|,Reason:|,TimeUsed:|,NodeList:|,RestartCnt:|,exit_code:|,"
+                 "StartTime:|,SubmitTime:|,NumNodes:|,tres-per-node:|,tres-per-job:|")
+# A state sacct gives the earlier runs of a requeued job (each run is a row of its own there).
+REQUEUED_RUN_STATES = frozenset({"REQUEUED", "PREEMPTED", "NODE_FAIL"})
 
 
 def query_jobs(job_ids: list[str]) -> dict[str, JobInfo]:
@@ -148,7 +156,8 @@ def query_jobs(job_ids: list[str]) -> dict[str, JobInfo]:
 
     `squeue -t all` reads the controller's whole job table, finished jobs included until MinJobAge
     passes, so it already holds what `scontrol show job` would say (state, reason, restarts, exit code).
-    Jobs it no longer knows are asked of sacct, once for all, where accounting exists.
+    Jobs it no longer knows, and the run times of requeued ones (squeue counts the current run
+    only), are asked of sacct, once for all, where accounting exists.
     """
     ids = sorted({j.split("_")[0] for j in job_ids})
     if not ids:
@@ -158,8 +167,14 @@ def query_jobs(job_ids: list[str]) -> dict[str, JobInfo]:
         raise SchedulerError(f"squeue failed: {one_line(done.stderr) or done.returncode}")
     found = parse_squeue(done.stdout if done.returncode == 0 else "")
     missing = [i for i in ids if not knows_job(found, i)]
-    if missing:
-        found.update(query_sacct(missing))
+    requeued = sorted({k.split("_")[0] for k, info in found.items() if info.restarts > 0})
+    if missing or requeued:
+        accounted = query_sacct(missing + requeued)
+        for key, info in accounted.items():
+            if key in found:
+                found[key] = replace(found[key], total_s=info.total_s)
+            elif key.split("_")[0] in missing:
+                found[key] = info
     return found
 
 
@@ -171,15 +186,50 @@ def knows_job(infos: dict[str, JobInfo], job_id: str) -> bool:
 def parse_squeue(text: str) -> dict[str, JobInfo]:
     out = {}
     for line in text.splitlines():
-        parts = line.split("|")
+        parts = [p.strip() for p in line.split("|")]
         if len(parts) < 7:
             continue
-        job_id, state, reason, elapsed, nodes, restarts, exit_code = (p.strip() for p in parts[:7])
+        job_id, state, reason, elapsed, nodes, restarts, exit_code = parts[:7]
+        start, submit, num_nodes, per_node, per_job = (parts[7:12] + [""] * 5)[:5]
         state = state.split()[0] if state else "UNKNOWN"
         out[job_id] = JobInfo(job_id, state, "" if reason in ("None", "(null)") else reason, elapsed,
                               "" if nodes in ("(null)", "") else nodes, _int(restarts),
-                              _wait_status(exit_code, state))
+                              _wait_status(exit_code, state),
+                              start=parse_time(start) if state not in ("PENDING", "REQUEUED") else None,
+                              submit=parse_time(submit), gpus=gpu_count(per_node, per_job, num_nodes))
     return out
+
+
+def parse_time(text: str) -> float | None:
+    """A SLURM timestamp (`2026-11-26T11:04:03`, the client's local time) -> epoch; None for N/A."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def gpu_count(per_node: str, per_job: str, nodes: str) -> int | None:
+    """GPUs of a job from squeue's tres-per-node (`gres:gpu:2`, `gres/gpu:a100:2`) x nodes plus
+    tres-per-job; None when neither field is there to read (an older squeue)."""
+    if not per_node and not per_job:
+        return None
+
+    def gpus(text: str) -> int:
+        items = [re.sub(r"^gres[:/]", "", item.strip()).replace("=", ":") for item in text.split(",")]
+        return sum(parse_gres(",".join(items)).values())
+
+    return gpus(per_node) * max(1, _int(nodes)) + gpus(per_job)
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds -> SLURM's way of writing elapsed time: `4:05`, `1:02:03`, `2-01:02:03`."""
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def _wait_status(text: str, state: str) -> int | None:
@@ -190,25 +240,49 @@ def _wait_status(text: str, state: str) -> int | None:
     return status >> 8 if status & 0x7F == 0 else 128 + (status & 0x7F)
 
 
+SACCT_FIELDS = "JobID,State,Elapsed,NodeList,ExitCode,ElapsedRaw,Submit"
+
+
 def query_sacct(job_ids: list[str]) -> dict[str, JobInfo]:
-    """Finished jobs the controller forgot; {} where accounting is off (sacct fails then)."""
+    """Jobs as accounting saw them, every run of a requeued job summed into total_s; {} where
+    accounting is off (sacct fails then). One call for all."""
     try:
-        done = run_scheduler(["sacct", "-n", "-X", "-P", "-o", "JobID,State,Elapsed,NodeList,ExitCode",
-                              "-j", ",".join(job_ids)])
+        done = run_scheduler(["sacct", "-n", "-X", "-P", "-D", "-o", SACCT_FIELDS, "-j", ",".join(job_ids)])
     except SchedulerError:
         return {}
-    if done.returncode != 0:
-        return {}
-    out = {}
-    for line in done.stdout.splitlines():
+    return parse_sacct(done.stdout) if done.returncode == 0 else {}
+
+
+def parse_sacct(text: str) -> dict[str, JobInfo]:
+    """`sacct -X -P -D` rows -> the latest run of each job, with the time of all its runs.
+
+    -D lists each run of a requeued job as a row (the earlier ones REQUEUED); the same id may also
+    be an older job from before a controller reset, so only the latest row and the requeued runs
+    right before it count."""
+    rows: dict[str, list[list[str]]] = {}
+    for line in text.splitlines():
         parts = line.split("|")
-        if len(parts) < 5 or "." in parts[0]:
-            continue
-        job_id, state, elapsed, nodes, exit_code = parts[:5]
+        if len(parts) >= 7 and "." not in parts[0]:
+            rows.setdefault(parts[0], []).append(parts)
+    out = {}
+    for job_id, runs in rows.items():
+        runs.sort(key=lambda r: r[6])  # by Submit, which SLURM resets at each requeue
+        _, state, elapsed, nodes, exit_code = runs[-1][:5]
         state = state.split()[0] if state else "UNKNOWN"
-        code = exit_code.split(":")[0]
-        out[job_id] = JobInfo(job_id, state, "", elapsed, nodes, 0, int(code) if code.isdigit() else None)
+        earlier = 0
+        while earlier < len(runs) - 1 and (runs[-2 - earlier][1].split() or [""])[0] in REQUEUED_RUN_STATES:
+            earlier += 1
+        total = sum(_int(r[5]) for r in runs[len(runs) - 1 - earlier:])
+        out[job_id] = JobInfo(job_id, state, "", elapsed, nodes, earlier, _sacct_exit(exit_code), total_s=total)
     return out
+
+
+def _sacct_exit(text: str) -> int | None:
+    """sacct's ExitCode is `code:signal`; a signal N reads as 128+N, as a shell says it."""
+    code, _, sig = text.partition(":")
+    if sig.isdigit() and int(sig):
+        return 128 + int(sig)
+    return int(code) if code.isdigit() else None
 
 
 def cancel_jobs(job_ids: list[str]) -> None:

@@ -8,6 +8,9 @@ How submitit is used, and why not its pickled-function path:
 - The command is the body `hpcgpu sbatch` renders (setup, exports, rendezvous, background srun of
   `python -m hpcgpu run <run dir>/spec.yaml` with signal forwarding), with `use_srun=False` so
   submitit does not wrap it in an srun of its own.
+- submitit runs `sbatch <file>` with this process's environment and no `--export`, so the job gets
+  the submitting environment (SLURM's default): env_passthrough's variables reach the job without
+  their values being written anywhere (tests/unit/test_submit_host.py checks this with a fake sbatch).
 - No pickle and no `python -m submitit.core._submit` inside the job: that process installs its
   own USR2/TERM handlers and runs `scontrol requeue` itself, which would race the preemption
   contract (flag, agreed stop, checkpoint, rank 0 requeues, array-task aware). It would also start

@@ -19,7 +19,7 @@ import yaml
 
 from hpcgpu.errors import SpecError, UsageError
 from hpcgpu.launch.options import sbatch_options
-from hpcgpu.launch.rundir import run_dir_path, write_atomic
+from hpcgpu.launch.rundir import make_dirs, remove_dirs, run_dir_path, runs_dir_error, write_atomic
 from hpcgpu.launch.sbatch import env_exports
 from hpcgpu.spec import Spec, dump_spec, parse_override, spec_from_raw, spec_to_dict
 from hpcgpu.spec.derive import signal_name
@@ -124,17 +124,23 @@ class SweepDir:
 def write_sweep(spec: Spec, tasks: list[SweepTask]) -> SweepDir:
     """Create the sweep dir: each task's run dir with its resolved spec, the index, a summary."""
     root = run_dir_path(spec)
+    created = make_dirs(root, spec.runs_dir)  # a runs_dir that cannot hold it: one runs_dir error
     run_dirs = []
-    for task in tasks:
-        run_dir = root / str(task.index)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "spec.yaml", dump_spec(task.spec))
-        run_dirs.append(run_dir)
-    tasks_file = root / "tasks.txt"
-    write_atomic(tasks_file, "".join(f"{d / 'spec.yaml'}\n" for d in run_dirs))
-    summary = {"name": spec.name, "sweep": spec.sweep,
-               "tasks": [{"index": t.index, "run_dir": str(d), "values": t.values} for t, d in zip(tasks, run_dirs)]}
-    write_atomic(root / "sweep.yaml", yaml.safe_dump(summary, sort_keys=False))
+    try:
+        for task in tasks:
+            run_dir = root / str(task.index)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(run_dir / "spec.yaml", dump_spec(task.spec))
+            run_dirs.append(run_dir)
+        tasks_file = root / "tasks.txt"
+        write_atomic(tasks_file, "".join(f"{d / 'spec.yaml'}\n" for d in run_dirs))
+        summary = {"name": spec.name, "sweep": spec.sweep,
+                   "tasks": [{"index": t.index, "run_dir": str(d), "values": t.values}
+                             for t, d in zip(tasks, run_dirs)]}
+        write_atomic(root / "sweep.yaml", yaml.safe_dump(summary, sort_keys=False))
+    except OSError as exc:
+        remove_dirs(created)  # half a sweep is no sweep
+        raise runs_dir_error(spec.runs_dir, exc, root) from None
     return SweepDir(root, tasks_file, run_dirs)
 
 

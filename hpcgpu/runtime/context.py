@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
 from hpcgpu.runtime.env import DistEnv
+from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
 from hpcgpu.spec import Spec, dump_spec, load_spec
 
@@ -67,18 +67,6 @@ class Context:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def setup_logging(env: DistEnv) -> None:
-    level = logging.INFO if env.is_main else logging.WARNING
-    logger = logging.getLogger("hpcgpu")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        prefix = f"[rank {env.rank}] " if env.world_size > 1 else ""
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level)
 
 
 def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, Path | None]:

@@ -34,13 +34,37 @@ def job_elapsed_s(now: float | None = None) -> float | None:
 
 
 def stop_reason(spec: Spec, env: DistEnv) -> str:
-    """'timeout' when the signal came because the time limit is near, else 'preempted'."""
+    """Why the job stops, as it was: 'timeout' (the time limit is near), 'requeued' (`scontrol
+    requeue` or SLURM's own preemption requeue already put it back), 'cancelled' (scancel),
+    'preempted' (any other stop signal: SLURM's preemption, `scancel --signal`), 'interrupted' (local).
+    Only rank 0 asks the controller; the others say 'preempted' or 'timeout'."""
     if env.launcher == "local":
         return "interrupted"
     elapsed = job_elapsed_s()
     if elapsed is not None and elapsed >= time_limit_s(spec) - signal_lead_s(spec) - TIMEOUT_MARGIN_S:
         return "timeout"
+    if env.launcher == "slurm" and env.is_main and env.requeue_target:
+        state, restarts = job_view(env.requeue_target)
+        if restarts is not None and restarts > env.restart_count:
+            return "requeued"
+        if state in ("CANCELLED", "COMPLETING"):
+            # scancel sends SIGTERM too: the job shows COMPLETING (then CANCELLED) while it ends,
+            # whereas a preemption or time-limit signal comes while it is RUNNING
+            return "cancelled"
     return "preempted"
+
+
+STOP_WORDS = {
+    "timeout": "timeout (the time limit is near)",
+    "requeued": "requeued from outside (`scontrol requeue` or SLURM's preemption requeue)",
+    "cancelled": "cancelled (scancel)",
+    "preempted": "preempted (SLURM's preemption signal or `scancel --signal`)",
+    "interrupted": "interrupted (Ctrl-C, SIGTERM or hpcgpu cancel)",
+}
+
+
+def describe_stop(reason: str) -> str:
+    return STOP_WORDS.get(reason, reason)
 
 
 class TornDown(Exception):
@@ -83,14 +107,21 @@ def torn_down_by(spec: Spec, env: DistEnv, signum: int | None, run_dir: Path,
         if time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    if job_state(env.requeue_target or "") in ("CANCELLED", "COMPLETING"):
-        return None  # scancel: reported as such by requeue()
+    state, restarts = job_view(env.requeue_target or "")
+    if state in ("CANCELLED", "COMPLETING") or (restarts or 0) > env.restart_count:
+        return None  # scancel or scontrol requeue: reported as such by stop_reason()
     return "another task of the step failed (srun ended the step; no stop signal reached the batch script)"
 
 
 def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
     """Rank 0 asks SLURM to requeue this job (array task aware), unless capped. True if requeued."""
     if env.launcher != "slurm" or not env.is_main:
+        return False
+    if reason == "requeued":
+        log.info(f"{describe_stop(reason)}: it comes back on its own; not requeuing again")
+        return False
+    if reason == "cancelled":
+        log.info(f"{describe_stop(reason)}: the job is being cancelled; not requeuing")
         return False
     if not spec.slurm.requeue:
         log.warning(f"{reason}: slurm.requeue is false; not requeuing")
@@ -102,12 +133,6 @@ def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
     target = env.requeue_target
     if not target:
         return False
-    state = job_state(target)
-    if state in ("CANCELLED", "COMPLETING"):
-        # scancel sends SIGTERM too: the job shows COMPLETING (then CANCELLED) while it ends, whereas
-        # a preemption or time-limit signal comes while it is RUNNING
-        log.info(f"{reason}: the job is being cancelled ({state}); not requeuing")
-        return False
     proc = subprocess.run(["scontrol", "requeue", target], capture_output=True, text=True)
     if proc.returncode != 0:
         log.warning(f"{reason}: `scontrol requeue {target}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -117,17 +142,16 @@ def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
     return True
 
 
-def job_state(target: str) -> str | None:
-    """The job's state as the controller sees it now (None if it cannot be read)."""
+def job_view(target: str) -> tuple[str | None, int | None]:
+    """(state, restarts) as the controller sees the job now; None where it cannot be read."""
     try:
         out = subprocess.run(["scontrol", "show", "job", "-o", target], capture_output=True, text=True,
                              timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    for field in out.split():
-        if field.startswith("JobState="):
-            return field.split("=", 1)[1]
-    return None
+        return None, None
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    restarts = fields.get("Restarts", "")
+    return fields.get("JobState"), int(restarts) if restarts.isdigit() else None
 
 
 def crash_retries_file(run_dir: Path) -> Path:

@@ -46,7 +46,8 @@ def _type_schema(tp: Any, meta: Any = None) -> dict[str, Any]:
     if origin is Literal:
         return {"enum": list(get_args(tp))}
     if origin is list:
-        return {"type": "array", "items": _type_schema(get_args(tp)[0])}
+        item_meta = {k: meta[k] for k in ("pattern", "fmt") if k in meta}  # a list's pattern is each item's
+        return {"type": "array", "items": _type_schema(get_args(tp)[0], item_meta)}
     if origin is dict:
         return {"type": "object", "additionalProperties": _type_schema(get_args(tp)[1])}
     if tp is type(None):

@@ -13,7 +13,10 @@ import yaml
 
 from hpcgpu.errors import SpecError
 from hpcgpu.spec.parse import LineMap, parse_section, section_fields, to_plain
-from hpcgpu.spec.schema import ENV_NAME_RE, SBATCH_OPT_RE, Spec
+from hpcgpu.spec.schema import ENV_NAME_RE, SBATCH_OPT_RE, Spec, looks_secret
+
+# a Hugging Face hub id: `gpt2` or `org/name`; anything else in model.name_or_path is a local path
+HUB_ID_RE = r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?"
 
 
 class _LineLoader(yaml.SafeLoader):
@@ -152,20 +155,45 @@ def resolve_paths(spec: Spec, base: Path) -> Spec:
 
     runs_dir stays relative to where the command runs, like any output folder a tool writes.
     """
-    def absolute(value: str | None, must_exist: bool = False) -> str | None:
-        if not value or os.path.isabs(value):
+    def absolute(value: str | None) -> str | None:
+        if not value:
             return value
-        candidate = base / value
-        if must_exist and not candidate.exists():
-            return value  # not a local path: a hub id such as gpt2
-        return str(candidate.resolve())
+        expanded = os.path.expanduser(value)
+        if os.path.isabs(expanded):
+            return expanded
+        return str((base / expanded).resolve())
 
+    name_or_path = spec.model.name_or_path
+    if name_or_path and is_local_path(name_or_path, base):
+        name_or_path = absolute(name_or_path)  # else a hub id such as gpt2 or org/name stays as written
     data = dataclasses.replace(spec.data, train=absolute(spec.data.train), eval=absolute(spec.data.eval))
-    model = dataclasses.replace(spec.model, name_or_path=absolute(spec.model.name_or_path, must_exist=True))
+    model = dataclasses.replace(spec.model, name_or_path=name_or_path)
     ds = dataclasses.replace(spec.distributed.deepspeed, config=absolute(spec.distributed.deepspeed.config))
     dist = dataclasses.replace(spec.distributed, deepspeed=ds)
     runs_dir = str(Path(spec.runs_dir).expanduser().resolve())
     return dataclasses.replace(spec, data=data, model=model, distributed=dist, runs_dir=runs_dir)
+
+
+def is_local_path(name_or_path: str, base: Path | None = None) -> bool:
+    """model.name_or_path names a local folder (not a hub id like gpt2 or org/name): it is absolute,
+    starts with `.` or `~`, is not shaped like a hub id, or exists relative to `base` (the spec's folder)."""
+    if name_or_path.startswith((".", "~")) or os.path.isabs(name_or_path):
+        return True
+    if not re.fullmatch(HUB_ID_RE, name_or_path):
+        return True
+    return base is not None and (base / name_or_path).exists()
+
+
+def export_drops(export: str, names: Iterable[str]) -> list[str]:
+    """Which of `names` sbatch's `--export=VALUE` (or SBATCH_EXPORT) keeps from the job.
+
+    ALL (alone or first: `ALL,A=1`) passes the submitter's environment; NONE/NIL pass none of it; a
+    plain list passes only the names it lists (`NAME=value` sets a value instead of passing one)."""
+    items = [item.strip() for item in export.split(",") if item.strip()]
+    if any(item.upper() == "ALL" for item in items):
+        return []
+    listed = {item for item in items if "=" not in item}
+    return [name for name in names if name not in listed]
 
 
 def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[str] = (),
@@ -199,9 +227,22 @@ def check_spec(spec: Spec, lines: LineMap) -> None:
     ds = spec.distributed.deepspeed
     if ds.offload_params and ds.zero_stage != 3:
         raise lines.error("distributed.deepspeed.offload_params", "needs zero_stage: 3")
-    for name in spec.env:
+    for name, value in spec.env.items():
         if not re.match(ENV_NAME_RE, name):
             raise lines.error(f"env.{name}", "is not a valid environment variable name")
+        if looks_secret(name) and value != "":
+            raise lines.error(f"env.{name}", f"looks like a secret, and env: values are written into spec.yaml and "
+                              f"job.sbatch where others may read them: list {name} in env_passthrough: instead "
+                              "(the job takes it from the shell you submit from)")
+    for name in spec.env_passthrough:
+        if name in spec.env:
+            raise lines.error("env_passthrough", f"{name} is also given a value in env:; keep one of the two")
+    export = spec.slurm.extra.get("export")
+    if spec.env_passthrough and export is not None and export is not False:
+        dropped = export_drops(str(export), spec.env_passthrough)
+        if dropped:
+            raise lines.error("slurm.extra.export", f"{export!r} keeps env_passthrough's {', '.join(dropped)} "
+                              "from the job; drop it, or use ALL (or list those names)")
     for opt, value in spec.slurm.extra.items():
         if not re.match(SBATCH_OPT_RE, opt):
             raise lines.error(f"slurm.extra.{opt}", "is not an sbatch option name (like mail-type)")

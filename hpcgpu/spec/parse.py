@@ -32,8 +32,13 @@ class LineMap:
 
 
 def _prefixes(path: str) -> list[str]:
+    """a.b[1] -> a.b[1], a.b, a: a list item's line is its list's (items carry no line of their own)."""
     parts = path.split(".")
-    return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    out: list[str] = []
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        out += [prefix] + ([re.sub(r"(\[\d+\])+$", "", prefix)] if prefix.endswith("]") else [])
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +107,9 @@ def parse_value(tp: Any, value: Any, path: str, lines: LineMap, meta: Any = None
         if not isinstance(value, list):
             raise lines.error(path, f"must be a list, got {_kind(value)}")
         (item,) = get_args(tp)
-        return [parse_value(item, v, f"{path}[{i}]", lines) for i, v in enumerate(value)]
+        # a list's pattern is each item's (env_passthrough: [HF_TOKEN, ...])
+        item_meta = {k: meta[k] for k in ("pattern", "fmt") if k in meta}
+        return [parse_value(item, v, f"{path}[{i}]", lines, item_meta) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise lines.error(path, f"must be a mapping, got {_kind(value)}")

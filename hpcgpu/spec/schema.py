@@ -182,7 +182,13 @@ class Spec:
     entry: Optional[str] = field(default=None, metadata=meta(
         "pkg.module:function called with the context (task: callable)", pattern=ENTRY_RE,
         fmt="pkg.module:function"))
-    env: dict[str, str] = field(default_factory=dict, metadata=meta("environment variables of every rank"))
+    env: dict[str, str] = field(default_factory=dict, metadata=meta(
+        "environment variables of every rank; written into spec.yaml and job.sbatch, so never a secret "
+        "(a name like *_TOKEN, *_KEY, *_SECRET, *PASSWORD* is refused: use env_passthrough)"))
+    env_passthrough: list[str] = field(default_factory=list, metadata=meta(
+        "names of variables the job takes from the environment you submit from (HF_TOKEN, WANDB_API_KEY); "
+        "their values are never written to a file; submit checks that they are set",
+        pattern=ENV_NAME_RE, fmt="an environment variable name like HF_TOKEN"))
     sweep: dict[str, list[Any]] = field(default_factory=dict, metadata=meta("dotted.key: [values] grid"))
     runs_dir: str = field(default="runs", metadata=meta("where run directories are made", pattern=r"^[^\x00-\x1f]*$", fmt="a path on one line"))
 
@@ -193,3 +199,11 @@ class Spec:
 
 def is_valid_env_name(name: str) -> bool:
     return re.match(ENV_NAME_RE, name) is not None
+
+
+# names whose value is a credential: a literal value in `env:` would land in spec.yaml and job.sbatch
+SECRET_NAME_RE = r"(?i)(_TOKEN|_KEY|_SECRET)$|PASSWORD"
+
+
+def looks_secret(name: str) -> bool:
+    return re.search(SECRET_NAME_RE, name) is not None

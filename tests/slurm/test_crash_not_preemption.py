@@ -61,3 +61,22 @@ def test_a_preemption_signal_while_starting_requeues_and_the_run_completes(slurm
     stops = [r for r in slurm.metrics(run_dir) if r["kind"] == "stop"]
     assert [s["restart_count"] for s in stops] == [0, 1], out
     assert max(slurm.loss_log(run_dir)) == 6
+
+
+def test_scontrol_requeue_is_reported_as_a_requeue(slurm) -> None:
+    spec = slurm.write_spec({"name": "outside", "task": "command", "command": [sys.executable, "-c",
+                             "import time; time.sleep(120)"], "resources": {"gpus": 2, "cpus_per_gpu": 1}})
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    try:
+        slurm.wait_for(lambda: "slurm" in "".join(p.name for p in run_dir.glob("slurm-*.out"))
+                       and slurm.job(job).get("JobState") == "RUNNING", timeout=60, what="the job to run")
+        time.sleep(3)
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        slurm.wait_for(lambda: "requeued from outside" in slurm.job_output(run_dir, job), timeout=60,
+                       what="rank 0 to report the requeue")
+        out = slurm.job_output(run_dir, job)
+        assert "not requeuing again" in out and "cancelled" not in out and "preempted" not in out, out
+        assert slurm.job(job)["Restarts"] == "1"
+    finally:
+        subprocess.run(["scancel", job])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sqlite3
 from pathlib import Path
 
@@ -126,3 +127,62 @@ def test_a_registry_on_a_network_file_system_keeps_the_rollback_journal(tmp_path
     assert reg.find("1")[0].job_id == "1"
     mode = sqlite3.connect(tmp_path / "jobs.db").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "delete"
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_a_new_registry_is_private_whatever_the_umask(tmp_path):
+    """Its rows (spec paths, run dirs, error lines) are nobody else's business on a shared cluster."""
+    old = os.umask(0o022)
+    try:
+        reg = Registry(tmp_path / "state" / "hpcgpu" / "jobs.db")
+        reg.add(record("1"))
+        assert mode(tmp_path / "state" / "hpcgpu") == 0o700
+        assert mode(tmp_path / "state" / "hpcgpu" / "jobs.db") == 0o600
+        wal = [p for p in (tmp_path / "state" / "hpcgpu").iterdir() if p.name != "jobs.db"]
+        assert wal and all(mode(p) == 0o600 for p in wal)  # -wal and -shm follow the database
+    finally:
+        os.umask(old)
+
+
+# the table as hpcgpu 0.1.0 created it (schema version 1)
+V1_SCHEMA = """CREATE TABLE jobs (key INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT NOT NULL, name TEXT NOT NULL,
+spec TEXT NOT NULL, run_dir TEXT NOT NULL, executor TEXT NOT NULL, tasks TEXT NOT NULL DEFAULT '[]',
+submitted REAL NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '', restarts INTEGER NOT NULL DEFAULT 0,
+nodes TEXT NOT NULL DEFAULT '', elapsed TEXT NOT NULL DEFAULT '', exit_code INTEGER, pid INTEGER, pid_start TEXT,
+cancel_requested INTEGER NOT NULL DEFAULT 0, ended REAL, updated REAL NOT NULL)"""
+
+
+def test_an_existing_registry_keeps_working_and_keeps_its_mode(tmp_path):
+    path = tmp_path / "shared" / "jobs.db"
+    path.parent.mkdir()
+    db = sqlite3.connect(path)
+    db.execute(V1_SCHEMA)
+    db.execute("INSERT INTO jobs (job_id, name, spec, run_dir, executor, tasks, submitted, state, updated) "
+               "VALUES ('12', 'old', '/s.yaml', '/r', 'slurm', ?, 1.0, 'RUNNING', 1.0)",
+               ('[{"id": "12_0", "run_dir": "/r/0", "state": "PENDING"}]',))
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    os.chmod(path, 0o640)  # shared with a group on purpose: an explicit HPCGPU_REGISTRY is left as it is
+    reg = Registry(path)
+    job = reg.find("12")[0]
+    assert (job.name, job.tasks[0].id, job.gpus, job.failure, job.earlier_runs_s) == ("old", "12_0", None, None, 0)
+    reg.update(job, state="FAILED", failure={"rank": 1}, gpus=4)
+    again = Registry(path).find("12")[0]
+    assert (again.state, again.failure, again.gpus) == ("FAILED", {"rank": 1}, 4)
+    assert mode(path) == 0o640
+
+
+def test_an_old_default_registry_becomes_private(tmp_path, monkeypatch):
+    monkeypatch.delenv("HPCGPU_REGISTRY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    folder = tmp_path / "hpcgpu"
+    folder.mkdir(mode=0o755)
+    os.chmod(folder, 0o755)
+    Registry(folder / "jobs.db").add(record("1"))
+    os.chmod(folder / "jobs.db", 0o644)  # as an older hpcgpu left it
+    assert Registry().find("1")[0].job_id == "1"
+    assert (mode(folder), mode(folder / "jobs.db")) == (0o700, 0o600)

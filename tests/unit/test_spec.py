@@ -58,6 +58,7 @@ train:
 checkpoint: {every_steps: 500, every_minutes: 30, keep: 3, async: true}
 entry: "pkg.mod:fn"
 env: {WANDB_MODE: offline}
+env_passthrough: [HF_TOKEN, WANDB_API_KEY]
 sweep: {train.lr: [0.0001, 0.0003]}
 """
 
@@ -102,6 +103,7 @@ def test_every_design_key_parses_typed(write_spec, tmp_path):
     assert (c.every_steps, c.every_minutes, c.keep, c.async_) == (500, 30.0, 3, True)
     assert isinstance(c.every_minutes, float)
     assert spec.entry == "pkg.mod:fn" and spec.env == {"WANDB_MODE": "offline"}
+    assert spec.env_passthrough == ["HF_TOKEN", "WANDB_API_KEY"]
     assert spec.sweep == {"train.lr": [0.0001, 0.0003]}
 
 
@@ -191,6 +193,20 @@ BAD = [
     ("strategy-choice", COMMAND + "distributed:\n  strategy: fsdp\n", "distributed.strategy",
      ["auto, ddp, deepspeed, none", "fsdp"], "strategy"),
     ("env-bad-name", COMMAND + "env:\n  1BAD: x\n", "env.1BAD", ["environment variable"], "1BAD"),
+    # a secret's value in env: would be written into spec.yaml and job.sbatch
+    ("env-token", COMMAND + "env:\n  WANDB_MODE: offline\n  HF_TOKEN: hf_abc\n", "env.HF_TOKEN",
+     ["secret", "env_passthrough"], "HF_TOKEN"),
+    ("env-api-key", COMMAND + "env:\n  wandb_api_key: abc\n", "env.wandb_api_key", ["env_passthrough"], "wandb"),
+    ("env-secret", COMMAND + "env:\n  AWS_SECRET: abc\n", "env.AWS_SECRET", ["env_passthrough"], "AWS_SECRET"),
+    ("env-password", COMMAND + "env:\n  DB_PASSWORD_X: abc\n", "env.DB_PASSWORD_X", ["env_passthrough"], "DB_"),
+    ("passthrough-bad-name", COMMAND + "env_passthrough: [HF-TOKEN]\n", "env_passthrough[0]",
+     ["environment variable name"], "env_passthrough"),
+    ("passthrough-and-env", COMMAND + "env: {HF_HOME: /x}\nenv_passthrough: [HF_HOME]\n", "env_passthrough",
+     ["HF_HOME", "env:"], "env_passthrough"),
+    ("export-drops-passthrough", COMMAND + "env_passthrough: [HF_TOKEN]\nslurm:\n  extra: {export: NONE}\n",
+     "slurm.extra.export", ["HF_TOKEN", "ALL"], "extra"),
+    ("export-list-drops-passthrough", COMMAND + "env_passthrough: [HF_TOKEN, B]\nslurm:\n  extra: {export: "
+     "'PATH,HF_TOKEN'}\n", "slurm.extra.export", ["keeps env_passthrough's B from"], "extra"),
 ]
 
 
@@ -249,6 +265,20 @@ def test_good_signals(write_spec, signal):
 @pytest.mark.parametrize("mem", ["32G", "512M", "1T", "1.5G"])
 def test_good_memory(write_spec, mem):
     assert load_spec(write_spec(COMMAND + f"resources: {{mem_per_gpu: {mem}}}\n")).resources.mem_per_gpu == mem
+
+
+def test_env_names_that_only_resemble_secrets_and_passthrough_that_sbatch_keeps_load(write_spec):
+    spec = load_spec(write_spec(COMMAND + "env: {TOKENIZERS_PARALLELISM: 'false', HF_HOME: /x, KEY_FILE: k, "
+                                "HF_TOKEN: ''}\nenv_passthrough: [HF_TOKEN2]\n"
+                                "slurm: {extra: {export: 'ALL,FOO=1'}}\n"))
+    assert spec.env["TOKENIZERS_PARALLELISM"] == "false" and spec.env["HF_TOKEN"] == ""  # an empty one is no secret
+    listed = load_spec(write_spec(COMMAND + "env_passthrough: [A]\nslurm: {extra: {export: 'PATH,A'}}\n"))
+    assert listed.env_passthrough == ["A"]
+
+
+def test_a_secret_set_on_the_command_line_names_the_flag(write_spec):
+    msg = load_error(write_spec(COMMAND), ["env.HF_TOKEN=hf_abc"])
+    assert msg.startswith("--set env.HF_TOKEN=hf_abc") and "env_passthrough" in msg
 
 
 # --- --set / --gpus / --nodes ---------------------------------------------------------------------
@@ -328,8 +358,18 @@ def test_relative_paths_resolve_against_the_spec_folder(tmp_path, monkeypatch):
     assert spec.model.name_or_path == str(spec_dir / "mymodel")  # a local directory
     assert spec.runs_dir == str(elsewhere / "out")  # outputs go where the command runs
     hub = tmp_path / "exp" / "hub.yaml"
-    hub.write_text("name: a\nmodel: {name_or_path: gpt2}\ndata: {train: t.txt}\n")
-    assert load_spec(hub).model.name_or_path == "gpt2"  # not a local path: a hub id stays
+    for name in ("gpt2", "openai-community/gpt2"):
+        hub.write_text(f"name: a\nmodel: {{name_or_path: {name}}}\ndata: {{train: t.txt}}\n")
+        assert load_spec(hub).model.name_or_path == name  # not a local path: a hub id stays
+    # shaped like a path, so a path (made absolute for the job) even where it does not exist yet
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for written, resolved in (("./gone", spec_dir / "gone"), ("../models/x", tmp_path / "models" / "x"),
+                              ("models/llama/7b", spec_dir / "models" / "llama" / "7b"),
+                              ("~/models/x", tmp_path / "home" / "models" / "x")):
+        hub.write_text(f"name: a\nmodel: {{name_or_path: '{written}'}}\ndata: {{train: '~/t.txt'}}\n")
+        spec = load_spec(hub)
+        assert spec.model.name_or_path == str(resolved), written
+        assert spec.data.train == str(tmp_path / "home" / "t.txt")
 
 
 def _round_trip(spec: Spec, folder: Path) -> Spec:
@@ -385,7 +425,10 @@ def test_full_spec_matches_the_schema(validator):
     {"name": "my job"},
     {"name": "a", "task": "fly"},
     {"task": "train"},
-], ids=["misspelled-nested", "misspelled-top", "zero-gpus", "bad-time", "bad-name", "bad-task", "no-name"])
+    {"name": "a", "env_passthrough": ["HF-TOKEN"]},
+    {"name": "a", "env_passthrough": "HF_TOKEN"},
+], ids=["misspelled-nested", "misspelled-top", "zero-gpus", "bad-time", "bad-name", "bad-task", "no-name",
+        "passthrough-name", "passthrough-not-list"])
 def test_schema_rejects_what_the_loader_rejects(validator, doc):
     assert not validator.is_valid(doc)
 

@@ -377,3 +377,48 @@ def test_sweep_larger_than_max_array_size_is_split(tmp_path, monkeypatch):
     assert "SLURM_ARRAY_TASK_ID + 2 + 1" in plans[1].command
     tasks_file = Path(records[0].run_dir) / "tasks.txt"
     assert tasks_file.read_text().splitlines()[2] == str(Path(records[1].tasks[0].run_dir) / "spec.yaml")
+
+
+SECRET_SPEC = """
+name: secret
+task: command
+resources: {gpus: 1, cpus_per_gpu: 1}
+command: [%s, -c, "import os; print('secret-len', len(os.environ['HF_TOKEN']))"]
+env_passthrough: [HF_TOKEN]
+"""
+
+
+def test_a_passthrough_secret_reaches_the_local_job_and_no_file(tmp_path):
+    import secrets
+
+    token = "hf_" + secrets.token_hex(16)
+    spec = tmp_path / "secret.yaml"
+    spec.write_text(textwrap.dedent(SECRET_SPEC % json.dumps(sys.executable)) + f"runs_dir: {tmp_path / 'runs'}\n")
+    env = env_without_debug(HPCGPU_REGISTRY=str(tmp_path / "jobs.db"), CUDA_VISIBLE_DEVICES="", HF_TOKEN=token)
+    done = hpcgpu("submit", str(spec), "--executor", "local", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs" / "secret").iterdir()
+    assert f"secret-len {len(token)}" in (run_dir / "logs" / "rank-0.log").read_text()  # the job saw it
+    written = [p for p in [*run_dir.rglob("*"), *tmp_path.glob("jobs.db*")] if p.is_file()]
+    assert run_dir / "spec.yaml" in written and tmp_path / "jobs.db" in written
+    assert [p for p in written if token.encode() in p.read_bytes()] == []
+    assert token not in done.stdout + done.stderr
+
+
+def test_submitit_runs_sbatch_in_the_submitting_environment(tmp_path, monkeypatch):
+    """env_passthrough relies on it: sbatch gets our environment and no --export that would drop it."""
+    from hpcgpu.launch.submitit_slurm import submit_command
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$HF_TOKEN" "$@" > {tmp_path / "seen"}\necho "Submitted batch job 42"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("HF_TOKEN", "the-value")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = single_plan(load_spec(CONFIGS / "hello-command.yaml"), run_dir)
+    assert submit_command(plan.folder, plan.options, plan.command) == "42"
+    token, *args = (tmp_path / "seen").read_text().split()
+    assert token == "the-value" and not any("export" in a for a in args), args
+    assert "--export" not in (run_dir / "42_submission.sh").read_text()

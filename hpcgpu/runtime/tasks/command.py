@@ -11,8 +11,10 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.launch.exitcodes import EXIT_STOPPED
 from hpcgpu.runtime.early import early_signal, release_others
 from hpcgpu.runtime.env import DistEnv
+from hpcgpu.runtime.logsetup import setup_logging
+from hpcgpu.procs import child_dies_with_me
 from hpcgpu.runtime.preempt import stop_signals
-from hpcgpu.runtime.requeue import TornDown, requeue, stop_reason, torn_down_by
+from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import nccl_env
 
@@ -46,6 +48,7 @@ def ranks_have_gpus(environ: dict[str, str]) -> bool:
 
 def run_command(spec: Spec, spec_path: Path) -> int:
     env = DistEnv.from_environ()
+    setup_logging(env)
     run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or spec_path.parent)
     argv = list(spec.command or [])
     stops = stop_signals(spec)
@@ -63,7 +66,9 @@ def run_command(spec: Spec, spec_path: Path) -> int:
         if early_signal(stops) is not None or received:
             return stop_before_start(spec, env)
         try:
-            proc = subprocess.Popen(argv, env=command_env(spec, spec_path, env))
+            program_env = command_env(spec, spec_path, env)
+            # through a shim that dies with this wrapper: no program outlives a killed launcher
+            proc = subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
         except FileNotFoundError:
             raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
         except PermissionError:
@@ -83,7 +88,9 @@ def run_command(spec: Spec, spec_path: Path) -> int:
     # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
     reason = stop_reason(spec, env)
-    print(f"hpcgpu: {reason}: the program exited with code {code} after the stop signal", flush=True)
+    if env.is_main:  # one line per job; rank 0 is the one that knows (it asks the controller)
+        print(f"hpcgpu: {describe_stop(reason)}: the program exited with code {code} after the stop signal",
+              flush=True)
     requeue(env, spec, reason)
     return EXIT_STOPPED
 
@@ -91,6 +98,8 @@ def run_command(spec: Spec, spec_path: Path) -> int:
 def stop_before_start(spec: Spec, env: DistEnv) -> int:
     """A stop signal came while the rank was starting: nothing ran, so nothing is lost by leaving."""
     reason = stop_reason(spec, env)
-    print(f"hpcgpu: {reason}: the stop signal came before the program started; not starting it", flush=True)
+    if env.is_main:
+        print(f"hpcgpu: {describe_stop(reason)}: the stop signal came before the program started; "
+              "not starting it", flush=True)
     requeue(env, spec, reason)
     return EXIT_STOPPED

@@ -588,14 +588,14 @@ def auto_tune(ctx: Context, spec: Spec) -> Spec:
 def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how: str) -> int:
     """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
     ending the step after another rank failed, which is that crash and is not requeued."""
-    from hpcgpu.runtime.requeue import EXIT_STOPPED, TornDown, requeue, stop_reason, torn_down_by
+    from hpcgpu.runtime.requeue import EXIT_STOPPED, TornDown, describe_stop, requeue, stop_reason, torn_down_by
 
     why = torn_down_by(spec, ctx.env, ctx.stop_flag.signum, ctx.run_dir)
     if why is not None:
         raise TornDown(why, 128 + signal.SIGTERM)
     reason = stop_reason(spec, ctx.env)
     metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)
-    log.info(f"{reason}: stopped at step {tr.step} {how}")
+    log.info(f"{describe_stop(reason)}: stopped at step {tr.step} {how}")
     requeue(ctx.env, spec, reason)
     return EXIT_STOPPED
 

@@ -1,0 +1,218 @@
+"""Checks on this host before a job is made: what would fail in the job, found before its wait in the queue.
+
+One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM and local):
+- the input files a spec names exist here and can be read (data.train, data.eval,
+  distributed.deepspeed.config, a local model.name_or_path; a hub id such as gpt2 is not a path);
+- model.config.model_type is a model type the installed transformers knows. The list comes from
+  transformers' config mapping, asked in a subprocess (it imports torch) and cached on disk per
+  transformers version, so these commands never import transformers or torch themselves; without
+  transformers here the check is skipped;
+- runs_dir can hold run dirs (no file in the way, a folder we may write);
+- the variables env_passthrough names are set in this shell (submit: an error; sbatch: a warning,
+  since the script takes them from the shell that runs `sbatch` later).
+Every problem is one line naming the key, exit 2.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Mapping
+
+from hpcgpu.errors import SpecError
+from hpcgpu.spec import Spec
+from hpcgpu.spec.load import export_drops, is_local_path
+
+Warn = Callable[[str], None]
+
+
+# --- input files ----------------------------------------------------------------------------------
+
+def input_paths(spec: Spec) -> list[tuple[str, str]]:
+    """(key, path) of every local input the spec names; a hub id (gpt2, org/name) is not one."""
+    out = [(key, value) for key, value in (
+        ("data.train", spec.data.train), ("data.eval", spec.data.eval),
+        ("distributed.deepspeed.config", spec.distributed.deepspeed.config)) if value]
+    name = spec.model.name_or_path
+    if name and is_local_path(name, Path.cwd()):
+        out.append(("model.name_or_path", name))
+    return out
+
+
+def input_problem(key: str, value: str) -> str | None:
+    """Why the job could not read this input, or None. Relative paths (a swept value) are from here."""
+    path = Path(value).expanduser()
+    hint = " (a local path; a hub id looks like gpt2 or org/name)" if key == "model.name_or_path" else ""
+    try:
+        is_dir = path.is_dir()
+        path.stat()
+    except FileNotFoundError:
+        return f"file not found: {key}: {value}{hint}"
+    except OSError as exc:
+        return f"cannot read {key}: {value}: {exc.strerror or exc}"
+    if key == "model.name_or_path" and not is_dir:
+        return f"{key}: {value} is a file; from_pretrained needs the model's folder"
+    if key == "distributed.deepspeed.config" and is_dir:
+        return f"{key}: {value} is a folder, not a JSON file"
+    if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
+        return f"cannot read {key}: {value}: permission denied"
+    return None
+
+
+def input_problems(spec: Spec) -> list[str]:
+    """Problems with the spec's input files, one line each ('file not found: data.train: /x/t.txt')."""
+    return [p for p in (input_problem(key, value) for key, value in input_paths(spec)) if p]
+
+
+# --- model type -----------------------------------------------------------------------------------
+
+_ASK = ("import json, sys\n"
+        "from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES\n"
+        "sys.stdout.write('\\n' + json.dumps(sorted(CONFIG_MAPPING_NAMES)) + '\\n')\n")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcgpu"
+
+
+def transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def known_model_types(version: str) -> frozenset[str] | None:
+    """The model types transformers `version` (installed here) knows; None if it cannot say.
+
+    Read from the disk cache, else asked of transformers in a subprocess and cached."""
+    cache = cache_dir() / f"model-types-transformers-{version}.json"
+    try:
+        names = json.loads(cache.read_text())
+        if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+            return frozenset(names)
+    except (OSError, ValueError):
+        pass
+    try:
+        done = subprocess.run([sys.executable, "-c", _ASK], capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        names = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        names = None
+    if not isinstance(names, list) or not names:
+        return None  # transformers is broken here: the job will say so; nothing to check against
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(names) + "\n")
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # an unwritable cache only costs the next command the same second
+    return frozenset(names)
+
+
+def model_type_problem(spec: Spec) -> str | None:
+    config = spec.model.config
+    if not config or "model_type" not in config:
+        return None
+    model_type = config["model_type"]
+    if not isinstance(model_type, str):
+        return f"must be a string like gpt2 or llama, got {model_type!r}"
+    version = transformers_version()
+    known = known_model_types(version) if version else None
+    if known is None or model_type in known:
+        return None
+    close = difflib.get_close_matches(model_type, sorted(known), n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}?" if close else "no close match"
+    return f"unknown model type {model_type!r} (transformers {version} knows {len(known)}; {hint})"
+
+
+# --- runs_dir -------------------------------------------------------------------------------------
+
+def runs_dir_problem(spec: Spec) -> str | None:
+    """Why run dirs could not be made under runs_dir, as far as can be told without writing."""
+    target = Path(spec.runs_dir).expanduser().absolute() / spec.name
+    writable_dir = None
+    for path in reversed([target, *target.parents]):
+        try:
+            if not path.exists():
+                break
+        except OSError as exc:
+            return f"{spec.runs_dir}: cannot look at {path}: {exc.strerror or exc}"
+        if not path.is_dir():
+            return f"{spec.runs_dir}: {path} is a file, not a folder"
+        writable_dir = path
+    if writable_dir is None:
+        return None
+    if not os.access(writable_dir, os.W_OK | os.X_OK):
+        return f"{spec.runs_dir}: cannot write in {writable_dir} (permission denied)"
+    try:
+        if os.statvfs(writable_dir).f_flag & os.ST_RDONLY:  # a read-only mount: root cannot write either
+            return f"{spec.runs_dir}: {writable_dir} is on a read-only filesystem"
+    except OSError:
+        pass
+    return None
+
+
+# --- env_passthrough ------------------------------------------------------------------------------
+
+def passthrough_problem(names: list[str], slurm: bool, environ: Mapping[str, str] | None = None,
+                        when: str = "before submitting") -> str | None:
+    """Why the job would not get these env_passthrough variables from this shell, or None."""
+    env = os.environ if environ is None else environ
+    missing = [name for name in names if name not in env]
+    if missing:
+        one = len(missing) == 1
+        return (f"{', '.join(missing)} {'is' if one else 'are'} not set in this shell; export "
+                f"{'it' if one else 'them'} {when} (the job takes the value from that environment)")
+    sbatch_export = env.get("SBATCH_EXPORT")
+    if slurm and sbatch_export is not None:
+        dropped = export_drops(sbatch_export, names)
+        if dropped:
+            return (f"SBATCH_EXPORT={sbatch_export} in this shell keeps {', '.join(dropped)} from the job; "
+                    "unset SBATCH_EXPORT or set it to ALL")
+    return None
+
+
+# --- all together ---------------------------------------------------------------------------------
+
+def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: Warn | None = None,
+               environ: Mapping[str, str] | None = None, when: str = "before submitting") -> None:
+    """Raise a one-line SpecError for the first problem found here (every sweep task's spec is checked).
+
+    passthrough: "error" (submit), "warn" (sbatch, --dry-run) or "skip" (validate); `when` tells the
+    user when the variables must be set.
+    """
+    from hpcgpu.launch.sweep import sweep_tasks
+
+    specs = [task.spec for task in sweep_tasks(spec)] or [spec]
+    seen: set[tuple[str, str]] = set()
+    for one in specs:
+        for key, value in input_paths(one):
+            if (key, value) not in seen:
+                seen.add((key, value))
+                problem = input_problem(key, value)
+                if problem:
+                    raise SpecError("", problem)
+        problem = model_type_problem(one)
+        if problem:
+            raise SpecError("model.config.model_type", problem)
+    for runs_dir in dict.fromkeys(one.runs_dir for one in specs):
+        problem = runs_dir_problem(next(one for one in specs if one.runs_dir == runs_dir))
+        if problem:
+            raise SpecError("runs_dir", f"{problem}; set runs_dir to a folder you can write")
+    names = list(dict.fromkeys(name for one in specs for name in one.env_passthrough))
+    if passthrough == "skip" or not names:
+        return
+    problem = passthrough_problem(names, slurm, environ, when)
+    if problem and passthrough == "error":
+        raise SpecError("env_passthrough", problem)
+    if problem and warn:
+        warn(f"warning: env_passthrough: {problem}")
