@@ -26,7 +26,8 @@ from typing import IO, Callable
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.launch import runlock
-from hpcgpu.launch.exitcodes import is_finished, write_finished
+from hpcgpu.launch.exitcodes import (EXIT_STOPPED, Failure, attempt_id, is_finished, record_failure,
+                                     write_finished)
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
@@ -91,6 +92,8 @@ class Rank:
     index: int
     proc: subprocess.Popen
     log: IO[str]
+    run_dir: Path | None = None
+    attempt: str = ""
 
 
 def _pump(src: IO[str], sinks: list[IO[str]]) -> None:
@@ -135,7 +138,7 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
         )
         if pipe:
             threading.Thread(target=_pump, args=(proc.stdout, [log, echo]), daemon=True).start()
-        ranks.append(Rank(i, proc, log))
+        ranks.append(Rank(i, proc, log, run_dir, attempt_id(env)))
     return ranks
 
 
@@ -146,6 +149,15 @@ def _signal_all(ranks: list[Rank], signum: int) -> None:
                 os.killpg(r.proc.pid, signum)
             except ProcessLookupError:
                 pass
+
+
+def record_end(rank: Rank, code: int) -> None:
+    """Before the others are stopped: a rank that died without saying why (SIGKILL, the OOM killer)
+    still leaves a failure record, so the ranks stopped next know theirs is no preemption."""
+    if rank.run_dir is None or code == EXIT_STOPPED:
+        return
+    record_failure(rank.run_dir, Failure(rank.attempt, rank.index, socket.gethostname(), _shell_code(code), "",
+                                         time.time()))  # kept: a record the rank wrote itself wins
 
 
 def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int:
@@ -177,6 +189,7 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
                 code = r.proc.poll()
                 if code not in (None, 0) and first_failure is None:
                     first_failure = (r.index, code)
+                    record_end(r, code)
                     say(f"rank {r.index} exited with code {code}; stopping the other ranks")
                     _signal_all(ranks, signal.SIGTERM)
                     deadline = time.monotonic() + STOP_GRACE_S

@@ -137,3 +137,31 @@ def test_an_accelerate_script_runs_distributed_on_cpu_ranks(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
     logs = "".join(p.read_text() for p in sorted((tmp_path / "runs" / "acc").glob("*/logs/rank-*.log")))
     assert "accelerate 2 0 cpu" in logs and "accelerate 2 1 cpu" in logs, logs
+
+
+KILLED_ENTRY = '''
+import os, signal, time
+import torch.distributed as dist
+
+
+def main(ctx):
+    if ctx.rank == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, say: no word from the rank itself
+    dist.barrier()  # rank 0 waits here until gloo notices its peer is gone
+    return 0
+'''
+
+
+def test_a_rank_killed_outright_is_the_recorded_failure_not_its_peer(tmp_path: Path) -> None:
+    (tmp_path / "killed_entry.py").write_text(KILLED_ENTRY)
+    spec = write_spec_file(tmp_path, {"name": "killed", "task": "callable", "entry": "killed_entry:main",
+                                      "resources": {"gpus": 2, "cpus_per_gpu": 1},
+                                      "env": {"PYTHONPATH": str(tmp_path)}})
+    proc = submit(spec)
+    assert proc.returncode == 137, proc.stdout + proc.stderr
+    run_dir = next((tmp_path / "runs" / "killed").iterdir())
+    failure = first_failure(run_dir)
+    assert failure is not None and failure.rank == 1 and failure.exit_code == 137, failure
+    assert failure.signal_name == "SIGKILL"
+    assert "after rank 1" in (run_dir / "logs" / "rank-0.log").read_text()

@@ -13,6 +13,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.spec import Spec
 
 if TYPE_CHECKING:
+    from hpcgpu.launch.exitcodes import Failure
     from hpcgpu.runtime.env import DistEnv
 
 MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
@@ -69,7 +70,11 @@ def run_task(spec: Spec, spec_path: Path) -> int:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
+        first = failed_first(env, run_dir)
+        if first is None:
+            record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
+        else:  # a collective broke because a peer died: that peer's failure is the job's
+            print(f"hpcgpu: rank {env.rank} failed after {first.describe()}", file=sys.stderr, flush=True)
         requeue_after_crash(env, spec, run_dir)
         raise
     if code not in (0, EXIT_STOPPED):
@@ -81,6 +86,21 @@ def run_task(spec: Spec, spec_path: Path) -> int:
 def short(text: str) -> str:
     line = next((x.strip() for x in text.splitlines() if x.strip()), "")
     return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 1] + "…"
+
+
+PEER_WAIT_S = 1.0  # a peer killed outright is recorded by its launcher a moment after it died
+
+
+def failed_first(env: DistEnv, run_dir: Path) -> Failure | None:
+    """Another rank's failure of this attempt, if one is (or within PEER_WAIT_S gets) recorded."""
+    from hpcgpu.runtime.requeue import peer_failure
+
+    deadline = time.monotonic() + PEER_WAIT_S
+    while True:
+        failure = peer_failure(env, run_dir)
+        if failure is not None or time.monotonic() >= deadline:
+            return failure
+        time.sleep(0.1)
 
 
 def record(env: DistEnv, run_dir: Path, code: int, message: str) -> None:
