@@ -17,7 +17,7 @@ from hpcgpu.errors import UsageError
 from hpcgpu.launch.jobs import cancel as cancel_job
 from hpcgpu.launch.jobs import RANK_LABEL, is_final, last_progress, log_files, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.scheduler import FINAL_STATES, parse_duration
+from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
 
 job_argument = click.argument("job_ref", metavar="JOB")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -28,8 +28,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 def elapsed_of(job: JobRecord, unit: JobRecord | TaskRecord) -> str:
     if unit.elapsed or job.executor == "slurm":
         return unit.elapsed
-    seconds = int((job.ended or time.time()) - job.submitted)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+    return format_duration((job.ended or time.time()) - job.submitted)  # a local job: one run
 
 
 def gpu_hours(elapsed_s: int | None, gpus: int | None) -> float | None:

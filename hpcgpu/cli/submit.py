@@ -152,7 +152,8 @@ def submit_local(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool) -> int:
         click.echo(f"job {job_id} stopped at a checkpoint; run the same command again to resume", err=True)
         return code
     if code:
-        raise JobFailed(f"job {job_id} failed with exit code {code}; logs in {run_dir / 'logs'}", code)
+        why = record.reason if record.failure else f"exit code {code}"
+        raise JobFailed(f"job {job_id} failed: {why}; logs in {run_dir / 'logs'}", code)
     click.echo(f"job {job_id} completed; run dir {run_dir}", err=True)
     return 0
 
@@ -176,8 +177,16 @@ def local_record(spec: Spec, spec_ref: str, run_dir: Path) -> JobRecord:
 
     pid = os.getpid()
     # job_id "" -> the registry assigns local-<n> in the same transaction as the insert
-    return JobRecord("", spec.name, spec_ref, str(run_dir), "local", state="RUNNING", pid=pid,
-                     pid_start=process_start(pid))
+    record = JobRecord("", spec.name, spec_ref, str(run_dir), "local", state="RUNNING", pid=pid,
+                       pid_start=process_start(pid))
+    record.gpus = local_gpu_count(spec)  # for the GPU-hours `status` shows (0 on CPU)
+    return record
+
+
+def local_gpu_count(spec: Spec) -> int:
+    from hpcgpu.launch.local import local_gpus
+
+    return min(len(local_gpus(spec)), spec.resources.gpus)
 
 
 def local_state(registry: Registry, record: JobRecord, code: int) -> tuple[str, str]:
@@ -196,6 +205,7 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
     """Run the ranks here and record how they ended (the job's, or one sweep task's, state)."""
     import time
 
+    from hpcgpu.launch.jobs import explain_failures
     from hpcgpu.launch.local import run_local
 
     try:
@@ -209,6 +219,7 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
     if task is None or task is record.tasks[-1] or state == "CANCELLED":
         record.state = state if task is None else _sweep_state(record)
         record.ended = time.time()
+    explain_failures(record)  # which rank failed first, and its last error line, for status and the CLI
     registry.save(record)
     return code
 
@@ -224,7 +235,8 @@ def run_local_sweep(spec: Spec, spec_ref: str, tasks: list[SweepTask]) -> int:
     sweep = write_sweep(spec, tasks)
     registry = Registry()
     record = registry.add(local_record(spec, spec_ref, sweep.root))
-    record.tasks = [TaskRecord(f"{record.job_id}_{t.index}", str(d), t.values) for t, d in zip(tasks, sweep.run_dirs)]
+    record.tasks = [TaskRecord(f"{record.job_id}_{t.index}", str(d), t.values, gpus=record.gpus)
+                    for t, d in zip(tasks, sweep.run_dirs)]
     registry.save(record)
     click.echo(f"job {record.job_id} (local sweep of {len(tasks)} tasks), run dir {sweep.root}", err=True)
     worst = 0

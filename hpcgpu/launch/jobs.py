@@ -112,7 +112,8 @@ def refresh(registry: Registry, jobs: list[JobRecord]) -> list[JobRecord]:
         changed = False
         if id(job) in asked:
             changed = _refresh_slurm(job, infos)
-        elif job.executor == "local" and not is_final(job.state) and not executor_alive(job):
+        elif job.executor == "local" and not is_final(job.state) and not executor_alive(job) \
+                and not run_dir_held(job):
             # the executor records the final state itself; gone without doing so means it was killed
             job.state = "CANCELLED" if job.cancel_requested else "FAILED"
             job.reason = "the local executor process ended without recording a result"
@@ -372,6 +373,14 @@ def process_start(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the "(comm)" field
+
+
+def run_dir_held(job: JobRecord) -> bool:
+    """A process of the job (a rank) still holds its run dir lock: the job runs on without its
+    launcher, so it has not failed (yet)."""
+    from hpcgpu.launch.runlock import is_locked
+
+    return any(is_locked(Path(d)) for d in (job.run_dir, *(t.run_dir for t in job.tasks)))
 
 
 def executor_alive(job: JobRecord) -> bool:

@@ -2,6 +2,7 @@
 another failed is that crash (never a preemption), an input error is one line per job."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -165,3 +166,8 @@ def test_a_rank_killed_outright_is_the_recorded_failure_not_its_peer(tmp_path: P
     assert failure is not None and failure.rank == 1 and failure.exit_code == 137, failure
     assert failure.signal_name == "SIGKILL"
     assert "after rank 1" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "rank 1 on" in proc.stderr and "(SIGKILL)" in proc.stderr  # submit says who failed
+    listed = json.loads(subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True,
+                                       text=True, timeout=60, env=job_env(), check=True).stdout)
+    job = next(j for j in listed if j["name"] == "killed")
+    assert job["state"] == "FAILED" and job["failure"]["rank"] == 1 and job["failure"]["exit_code"] == 137
