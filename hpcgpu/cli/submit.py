@@ -152,8 +152,10 @@ def submit_local(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool) -> int:
         click.echo(f"job {job_id} stopped at a checkpoint; run the same command again to resume", err=True)
         return code
     if code:
-        why = record.reason if record.failure else f"exit code {code}"
-        raise JobFailed(f"job {job_id} failed: {why}; logs in {run_dir / 'logs'}", code)
+        f = record.failure or {}
+        # the error line itself is on the console already (rank 0 echoes; one line per job)
+        who = f"rank {f['rank']} on {f['node']} first, " if f.get("rank") is not None else ""
+        raise JobFailed(f"job {job_id} failed ({who}exit code {code}); logs in {run_dir / 'logs'}", code)
     click.echo(f"job {job_id} completed; run dir {run_dir}", err=True)
     return 0
 

@@ -111,7 +111,7 @@ def test_command_ranks_get_the_torchrun_variables(command_jobs: dict) -> None:
 def test_command_exit_code_passes_through(command_jobs: dict) -> None:
     proc, _ = command_jobs["exit7"]
     assert proc.returncode == 7, proc.stdout + proc.stderr
-    assert "failed with exit code 7" in proc.stderr
+    assert "exit code 7" in proc.stderr
 
 
 def test_command_killed_by_a_signal_exits_128_plus_n(command_jobs: dict) -> None:
