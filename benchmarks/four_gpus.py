@@ -75,7 +75,7 @@ def slurm_style(spec_path: Path, gpus: int, run_dir: Path) -> int:
 
 def poll_gpu_processes(stop: threading.Event, seen: set[int]) -> None:
     """Adds to `seen` every GPU (NVML index) that runs a compute process while polling."""
-    from hpcgpu.gpu.readings import default_source
+    from hpcgpu.gpu.source import default_source
 
     source = default_source()
     while not stop.is_set():

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deepspeed_bench import random_text, submit, train_records  # noqa: E402
 from hpcgpu.gpu.monitor import GpuMonitor  # noqa: E402
-from hpcgpu.gpu.readings import default_source  # noqa: E402
+from hpcgpu.gpu.source import default_source  # noqa: E402
 
 
 def python_loop(seconds: float) -> float:

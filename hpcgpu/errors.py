@@ -1,11 +1,13 @@
 """The error tree. Every error a user can cause maps to one exit code, caught once at the CLI boundary."""
 from __future__ import annotations
 
+from hpcgpu.contract import EXIT_SCHEDULER, EXIT_USAGE
+
 
 class HpcgpuError(Exception):
     """A problem the user can fix: bad spec, flag or file. One line, exit 2."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
 
 class SpecError(HpcgpuError):
@@ -32,7 +34,7 @@ class EnvironmentError_(HpcgpuError):
 class SchedulerError(HpcgpuError):
     """The scheduler refused or failed (sbatch, squeue, scontrol). Exit 3."""
 
-    exit_code = 3
+    exit_code = EXIT_SCHEDULER
 
 
 class JobFailed(HpcgpuError):

@@ -23,7 +23,9 @@ import signal
 import sys
 from typing import Mapping, MutableMapping, Sequence
 
-PARENT_PID_VAR = "HPCGPU_PARENT_PID"  # set by a launcher for its children: "die when I die"
+from hpcgpu.contract import ENV_PARENT_PID
+
+PARENT_PID_VAR = ENV_PARENT_PID  # set by a launcher for its children: "die when I die"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # Run as `python -I -S -c SHIM <parent pid> <argv...>`: isolated (no PYTHON* variables, no site),

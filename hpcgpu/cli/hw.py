@@ -16,7 +16,8 @@ from hpcgpu.cli.options import gpus_option, nodes_option, read_spec, set_option
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, busy_warnings, select
 from hpcgpu.gpu.estimate import fmt_bytes
-from hpcgpu.gpu.readings import GpuReading, default_source
+from hpcgpu.gpu.readings import GpuReading
+from hpcgpu.gpu.source import default_source
 from hpcgpu.gpu.recommend import Recommendation, recommend_for_job
 from hpcgpu.spec import Spec
 

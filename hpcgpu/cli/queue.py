@@ -100,7 +100,7 @@ def read_entries(queue_file: Path) -> list[QueueEntry]:
 def gpu_pool(gpus: str | None, ignore_busy: bool) -> tuple[list[str] | None, list[str]]:
     """The GPU ids the queue may use and warnings about left-out ones; None: no GPU, CPU mode."""
     from hpcgpu.gpu.busy import busy_reasons, select
-    from hpcgpu.gpu.readings import default_source
+    from hpcgpu.gpu.source import default_source
 
     source = default_source()
     if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES") == "":

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from hpcgpu.cli.options import set_option
+from hpcgpu.contract import ENV_RUN_DIR, ENV_SPEC, RunPaths
 from hpcgpu.spec import load_spec
 
 
@@ -17,9 +18,11 @@ def run(spec_file: str, overrides: tuple[str, ...]) -> int:
     """Run SPEC's task as one rank. Launchers (srun, the local executor, torchrun) start one per GPU."""
     spec = load_spec(spec_file, overrides)
     spec_path = Path(spec_file).resolve()
-    # the run dir is the spec's folder unless the launcher said otherwise; user code reads these too
-    os.environ.setdefault("HPCGPU_RUN_DIR", str(spec_path.parent))
-    os.environ["HPCGPU_SPEC"] = str(spec_path)
+    # the run dir is the spec's folder unless the launcher said otherwise: decided once, here, and
+    # exported because the user's code (hpcgpu.init(), a command's program) reads it too
+    paths = RunPaths.in_job(spec_path)
+    os.environ[ENV_RUN_DIR] = str(paths.run_dir)
+    os.environ[ENV_SPEC] = str(spec_path)
     from hpcgpu.runtime.tasks import run_task  # torch loads only here, inside the job
 
-    return run_task(spec, spec_path)
+    return run_task(spec, spec_path, paths)

@@ -10,7 +10,7 @@ import click
 
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import JobFailed
-from hpcgpu.launch.exitcodes import EXIT_STOPPED
+from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.launch.jobs import log_files
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.checks import check_host

@@ -22,7 +22,8 @@ from typing import IO, Sequence
 
 from hpcgpu.gpu.busy import select
 from hpcgpu.gpu.estimate import GiB
-from hpcgpu.gpu.readings import GpuReading, GpuSource, default_source
+from hpcgpu.gpu.readings import GpuReading, GpuSource
+from hpcgpu.gpu.source import default_source
 
 log = logging.getLogger("hpcgpu")
 

@@ -112,13 +112,3 @@ def _without_processes(r: GpuReading) -> GpuReading:
     from dataclasses import replace
 
     return replace(r, processes=())
-
-
-def default_source() -> GpuSource:
-    """The driver, unless HPCGPU_NVML_RECORDED names a recording."""
-    recorded = os.environ.get(RECORDED_ENV)
-    if recorded:
-        return RecordedSource.from_file(recorded)
-    from hpcgpu.gpu.nvml import NvmlSource
-
-    return NvmlSource()

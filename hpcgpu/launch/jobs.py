@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from pathlib import Path
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.launch.exitcodes import EXIT_STOPPED, Failure, is_finished, read_failures
+from hpcgpu.contract import EXIT_STOPPED, Failure, is_finished, read_failures
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import (FINAL_STATES, JobInfo, cancel_jobs, format_duration, knows_job, parse_duration,
                                      query_jobs)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
+from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_STOPPED, Failure,
+                             attempt_id, is_finished, record_failure, write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.launch import runlock
-from hpcgpu.launch.exitcodes import (EXIT_STOPPED, Failure, attempt_id, is_finished, record_failure,
-                                     write_finished)
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
@@ -58,8 +58,8 @@ def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus
                  run_dir: Path, restart_count: int = 0) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
-        "HPCGPU_LAUNCHER": "local",
-        "HPCGPU_RUN_DIR": str(run_dir),
+        ENV_LAUNCHER: "local",
+        ENV_RUN_DIR: str(run_dir),
         "SLURM_JOB_ID": job_id,
         "SLURM_PROCID": str(rank),
         "SLURM_LOCALID": str(rank),
@@ -74,10 +74,10 @@ def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "PYTHONUNBUFFERED": "1",
-        "HPCGPU_JOB_START": str(int(time.time())),
+        ENV_JOB_START: str(int(time.time())),
     })
     for key in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
-                "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", ENV_PENDING_SIGNAL):
         env.pop(key, None)  # a local run inside an allocation must not look like its parent job
     if gpus:
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # device ids mean what nvidia-smi/NVML show
@@ -210,7 +210,7 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
     if first_failure is None:
         return 0
     index, code = first_failure
-    if index != 0 and code != 75:  # rank 0 is on the console already; show where the others failed
+    if index != 0 and code != EXIT_STOPPED:  # rank 0 is on the console already; show where the others failed
         say(f"rank {index} exited with code {_shell_code(code)}; the end of its log:\n" + tail(ranks[index].log.name))
     return _shell_code(code)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence
 
-from hpcgpu.launch.exitcodes import EXIT_STOPPED
+from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.procs import PARENT_PID_VAR
 
 JOB_LINE = re.compile(r"job (\S+) \(local\), run dir (\S+)")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from hpcgpu.errors import SpecError
-from hpcgpu.launch.exitcodes import is_finished
+from hpcgpu.contract import is_finished
 from hpcgpu.spec import Spec, dump_spec
 
 

@@ -11,7 +11,7 @@ from string import Template
 
 from hpcgpu.errors import SpecError
 from hpcgpu.hostlist import PORT_SHELL
-from hpcgpu.launch.exitcodes import BATCH_SIGNAL_SHELL
+from hpcgpu.contract import BATCH_SIGNAL_SHELL
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.spec.derive import nccl_env, signal_name
 from hpcgpu.spec.schema import Spec

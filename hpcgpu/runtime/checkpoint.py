@@ -29,9 +29,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+from hpcgpu.contract import COMPLETE_MARKER
+
 log = logging.getLogger("hpcgpu")
 
-MARKER = "COMPLETE"
+MARKER = COMPLETE_MARKER
 STEP_RE = re.compile(r"^step-(\d+)$")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hpcgpu.contract import RunPaths
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
 from hpcgpu.runtime.env import DistEnv
@@ -78,14 +79,16 @@ def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, P
     return load_spec(path), Path(path).resolve()
 
 
-def init(spec: Spec | str | os.PathLike | None = None) -> Context:
-    """Detect the environment, bind the device, start the process group, install the stop flag."""
+def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = None) -> Context:
+    """Detect the environment, bind the device, start the process group, install the stop flag.
+
+    paths: the run dir `hpcgpu run` decided; user code calling hpcgpu.init() leaves it out."""
     spec_obj, spec_path = _resolve_spec(spec)
     env = DistEnv.from_environ()
     setup_logging(env)
     device = _dist.select_device(env)
     _dist.init_process_group(env, spec_obj, device)
-    run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or (spec_path.parent if spec_path else Path.cwd()))
+    run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
     if spec_obj is not None:
         ctx.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
@@ -97,4 +100,4 @@ def make_checkpoint_manager(spec: Spec, run_dir: Path, env: DistEnv) -> Checkpoi
     c = spec.checkpoint
     policy = CheckpointPolicy(every_steps=c.every_steps, every_minutes=c.every_minutes, keep=c.keep,
                               async_save=c.async_)
-    return CheckpointManager(run_dir / "checkpoints", policy, env.rank, env.world_size, dump_spec(spec))
+    return CheckpointManager(RunPaths(run_dir).checkpoints, policy, env.rank, env.world_size, dump_spec(spec))

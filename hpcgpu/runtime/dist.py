@@ -16,6 +16,8 @@ from hpcgpu.spec.derive import nccl_env
 log = logging.getLogger("hpcgpu")
 
 
+DEFAULT_PG_TIMEOUT_S = 600  # the schema default of distributed.nccl.timeout_s, for hpcgpu.init() without a spec
+
 def export_rendezvous(env: DistEnv, spec: Spec | None) -> None:
     """Export what `init_process_group(init_method='env://')` and NCCL read, before init."""
     if spec is not None:
@@ -41,7 +43,7 @@ def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device) ->
     alone_in_deepspeed = spec is not None and spec.distributed.strategy == "deepspeed" and not env.distributed
     if not (env.distributed or alone_in_deepspeed) or dist.is_initialized():
         return
-    timeout_s = int(os.environ.get("HPCGPU_PG_TIMEOUT_S", spec.distributed.nccl.timeout_s if spec else 600))
+    timeout_s = spec.distributed.nccl.timeout_s if spec else DEFAULT_PG_TIMEOUT_S
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":

@@ -3,7 +3,7 @@
 `hpcgpu run` installs this first, before any heavy import: a preemption signal two seconds into a
 job would otherwise kill the rank (the default action of SIGUSR2 and SIGTERM) with no checkpoint and
 no requeue. Signals are only remembered here; the task's stop flag takes them over once it exists.
-Only the standard library is imported, so installing costs microseconds.
+Only the standard library (and the run contract) is imported, so installing costs microseconds.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import os
 import signal
 import time
 from types import FrameType
+
+from hpcgpu.contract import ENV_PENDING_SIGNAL
 
 # every signal a spec may name as its preemption signal, plus SIGTERM/SIGINT (the spec is not read yet)
 CANDIDATES = ("TERM", "INT", "USR1", "USR2", "XCPU", "HUP", "QUIT", "ALRM")
@@ -29,7 +31,7 @@ def catch_early_signals() -> None:
         if signum is not None and signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(signum, _remember)
     # the batch script got a stop signal before srun started this rank
-    pending = getattr(signal, f"SIG{os.environ.get('HPCGPU_PENDING_SIGNAL', '')}", None)
+    pending = getattr(signal, f"SIG{os.environ.get(ENV_PENDING_SIGNAL, '')}", None)
     if isinstance(pending, signal.Signals) and not _received:
         _received.append((int(pending), time.time()))
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from hpcgpu.contract import ENV_LAUNCHER
 from hpcgpu.errors import EnvironmentError_
 from hpcgpu.hostlist import expand_hostlist, port_for_job
 
@@ -81,7 +82,7 @@ class DistEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
         env = os.environ if environ is None else environ
-        launcher = env.get("HPCGPU_LAUNCHER", "")
+        launcher = env.get(ENV_LAUNCHER, "")
         if launcher and launcher not in LAUNCHERS:
             raise EnvironmentError_(f"HPCGPU_LAUNCHER={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
         if launcher == "single":

@@ -15,8 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpcgpu.launch.exitcodes import (EXIT_FINISHED, EXIT_STOPPED, Failure, attempt_id,  # noqa: F401
-                                     batch_signals, is_finished, read_failures, write_finished)
+from hpcgpu.contract import (ENV_JOB_START, EXIT_FINISHED, EXIT_STOPPED, Failure, attempt_id,  # noqa: F401
+                             batch_signals, is_finished, read_failures, write_finished)
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_lead_s, signal_name, time_limit_s
@@ -27,7 +27,7 @@ TIMEOUT_MARGIN_S = 60
 
 
 def job_elapsed_s(now: float | None = None) -> float | None:
-    start = os.environ.get("HPCGPU_JOB_START")
+    start = os.environ.get(ENV_JOB_START)
     if not start or not start.isdigit():
         return None
     return (now or time.time()) - int(start)
@@ -96,7 +96,7 @@ def torn_down_by(spec: Spec, env: DistEnv, signum: int | None, run_dir: Path,
     if signum != signal.SIGTERM:
         return None
     deadline = time.monotonic() + wait_s
-    shell_sees_stops = env.launcher == "slurm" and "HPCGPU_JOB_START" in os.environ \
+    shell_sees_stops = env.launcher == "slurm" and ENV_JOB_START in os.environ \
         and signal_name(spec) != "TERM"
     while True:
         failure = peer_failure(env, run_dir)

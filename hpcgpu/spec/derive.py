@@ -14,7 +14,6 @@ def nccl_env(spec: Spec) -> dict[str, str]:
         env["NCCL_SOCKET_IFNAME"] = n.socket_ifname
     if n.ib_disable is not None:
         env["NCCL_IB_DISABLE"] = "1" if n.ib_disable else "0"
-    env["HPCGPU_PG_TIMEOUT_S"] = str(n.timeout_s)
     return env
 
 

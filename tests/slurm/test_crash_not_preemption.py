@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hpcgpu.launch.exitcodes import first_failure
+from hpcgpu.contract import first_failure
 
 pytestmark = pytest.mark.slurm
 

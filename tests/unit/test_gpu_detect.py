@@ -7,7 +7,8 @@ import pytest
 
 from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, busy_warnings, free_gpus, is_busy, select
 from hpcgpu.gpu.nvml import NvmlSource
-from hpcgpu.gpu.readings import GpuReading, RecordedSource, default_source
+from hpcgpu.gpu.readings import GpuReading, RecordedSource
+from hpcgpu.gpu.source import default_source
 from hpcgpu.spec.schema import Busy
 
 FIXTURES = Path(__file__).parent / "fixtures"

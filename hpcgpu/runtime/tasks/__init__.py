@@ -9,33 +9,33 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpcgpu.contract import EXIT_STOPPED, Failure, RunPaths, attempt_id, record_failure
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.spec import Spec
 
 if TYPE_CHECKING:
-    from hpcgpu.launch.exitcodes import Failure
     from hpcgpu.runtime.env import DistEnv
 
 MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
 
 
-def _dispatch(spec: Spec, spec_path: Path) -> int:
+def _dispatch(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     if spec.task == "command":
         from hpcgpu.runtime.tasks.command import run_command
 
-        return run_command(spec, spec_path)
+        return run_command(spec, spec_path, paths)
     if spec.task == "callable":
         from hpcgpu.runtime.tasks.callable import run_callable
 
-        return run_callable(spec, spec_path)
+        return run_callable(spec, paths)
     if spec.task == "train":
         from hpcgpu.runtime.tasks.train import run_train
 
-        return run_train(spec, spec_path)
+        return run_train(spec, paths)
     raise HpcgpuError(f"task: {spec.task} is not available yet in this version; use train, command or callable")
 
 
-def run_task(spec: Spec, spec_path: Path) -> int:
+def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     """Run the spec's task in this process (one rank) and return its exit code.
 
     A rank that fails records why (failures/ in the run dir: rank, node, exit code, last error line)
@@ -43,14 +43,13 @@ def run_task(spec: Spec, spec_path: Path) -> int:
     at most that often; a stop after a preemption signal is handled by the task itself and never
     counts as a crash; a rank stopped because another rank failed is neither.
     """
-    from hpcgpu.launch.exitcodes import EXIT_STOPPED
     from hpcgpu.runtime.env import DistEnv
     from hpcgpu.runtime.requeue import TornDown, requeue_after_crash
 
     env = DistEnv.from_environ()
-    run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or spec_path.parent)
+    run_dir = paths.run_dir
     try:
-        code = _dispatch(spec, spec_path)
+        code = _dispatch(spec, spec_path, paths)
     except TornDown as exc:
         print(f"hpcgpu: rank {env.rank} was stopped because {exc.why}: a crash, not a preemption", flush=True)
         requeue_after_crash(env, spec, run_dir)
@@ -104,18 +103,14 @@ def failed_first(env: DistEnv, run_dir: Path) -> Failure | None:
 
 
 def record(env: DistEnv, run_dir: Path, code: int, message: str) -> None:
-    from hpcgpu.launch.exitcodes import Failure, attempt_id, record_failure
-
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     record_failure(run_dir, Failure(attempt_id(), env.rank, node, code, message, time.time()))
 
 
 def first_to_report(run_dir: Path, message: str) -> bool:
     """True in the one rank (of this attempt) that reports this error; the others stay quiet."""
-    from hpcgpu.launch.exitcodes import FAILURES_DIR, attempt_id
-
     digest = hashlib.sha1(message.encode()).hexdigest()[:12]
-    path = run_dir / FAILURES_DIR / f"{attempt_id()}.reported-{digest}"
+    path = RunPaths(run_dir).failures / f"{attempt_id()}.reported-{digest}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

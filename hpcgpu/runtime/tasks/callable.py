@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
+from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.context import init
 from hpcgpu.spec import Spec
@@ -21,8 +21,8 @@ def load_entry(entry: str):  # type: ignore[no-untyped-def]
     return fn
 
 
-def run_callable(spec: Spec, spec_path: Path) -> int:
+def run_callable(spec: Spec, paths: RunPaths) -> int:
     fn = load_entry(spec.entry or "")
-    with init(spec) as ctx:
+    with init(spec, paths) as ctx:
         result = fn(ctx)
     return result if isinstance(result, int) else 0

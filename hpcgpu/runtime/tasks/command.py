@@ -8,7 +8,7 @@ from pathlib import Path
 from types import FrameType
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.launch.exitcodes import EXIT_STOPPED
+from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, EXIT_STOPPED, RunPaths
 from hpcgpu.runtime.early import early_signal, release_others
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.logsetup import setup_logging
@@ -19,7 +19,7 @@ from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import nccl_env
 
 
-def command_env(spec: Spec, spec_path: Path, env: DistEnv) -> dict[str, str]:
+def command_env(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> dict[str, str]:
     out = dict(os.environ)
     for key, value in nccl_env(spec).items():
         out.setdefault(key, value)
@@ -29,11 +29,11 @@ def command_env(spec: Spec, spec_path: Path, env: DistEnv) -> dict[str, str]:
         # model per rank on CPU, all writing the same output dir, without a word
         out.setdefault("ACCELERATE_USE_CPU", "true")
     out.update(spec.env)
-    out.pop("HPCGPU_PENDING_SIGNAL", None)  # taken by this wrapper, not the program's business
-    out["HPCGPU_SPEC"] = str(spec_path)
-    out.setdefault("HPCGPU_RUN_DIR", str(spec_path.parent))
+    out.pop(ENV_PENDING_SIGNAL, None)  # taken by this wrapper, not the program's business
+    out[ENV_SPEC] = str(spec_path)
+    out[ENV_RUN_DIR] = str(paths.run_dir)
     # where a preemptible program should write its checkpoints (documented in the README)
-    out.setdefault("HPCGPU_CHECKPOINT_DIR", str(Path(out["HPCGPU_RUN_DIR"]) / "checkpoints"))
+    out.setdefault(ENV_CHECKPOINT_DIR, str(paths.checkpoints))
     return out
 
 
@@ -46,10 +46,10 @@ def ranks_have_gpus(environ: dict[str, str]) -> bool:
     return gpu_count() > 0
 
 
-def run_command(spec: Spec, spec_path: Path) -> int:
+def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     env = DistEnv.from_environ()
     setup_logging(env)
-    run_dir = Path(os.environ.get("HPCGPU_RUN_DIR") or spec_path.parent)
+    run_dir = paths.run_dir
     argv = list(spec.command or [])
     stops = stop_signals(spec)
     received: list[int] = []
@@ -66,7 +66,7 @@ def run_command(spec: Spec, spec_path: Path) -> int:
         if early_signal(stops) is not None or received:
             return stop_before_start(spec, env)
         try:
-            program_env = command_env(spec, spec_path, env)
+            program_env = command_env(spec, spec_path, paths, env)
             # through a shim that dies with this wrapper: no program outlives a killed launcher
             proc = subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
         except FileNotFoundError:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hpcgpu.contract import EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.gpu.recommend import CPU_MICRO_MAX, compiled_step, divisors_upto
@@ -588,7 +589,7 @@ def auto_tune(ctx: Context, spec: Spec) -> Spec:
 def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how: str) -> int:
     """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
     ending the step after another rank failed, which is that crash and is not requeued."""
-    from hpcgpu.runtime.requeue import EXIT_STOPPED, TornDown, describe_stop, requeue, stop_reason, torn_down_by
+    from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
 
     why = torn_down_by(spec, ctx.env, ctx.stop_flag.signum, ctx.run_dir)
     if why is not None:
@@ -600,11 +601,11 @@ def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how:
     return EXIT_STOPPED
 
 
-def run_train(spec: Spec, spec_path: Path) -> int:
-    from hpcgpu.runtime.requeue import is_finished, mark_finished
+def run_train(spec: Spec, paths: RunPaths) -> int:
+    from hpcgpu.runtime.requeue import mark_finished
 
     set_cpu_threads()
-    with init(spec) as ctx:
+    with init(spec, paths) as ctx:
         if is_finished(ctx.run_dir):
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0

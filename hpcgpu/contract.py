@@ -1,4 +1,9 @@
-"""How a run ends, shared by the job and the launchers (kept here so host code needs no runtime import)."""
+"""The run contract, shared by the launchers (launch/) and the job (runtime/); imports nothing of ours.
+
+What a run leaves and reads: its folder's layout (RunPaths), the markers (FINISHED, COMPLETE), the
+exit codes, the HPCGPU_* variables a launcher sets for a rank, the failure records a rank writes for
+`hpcgpu status`, and the batch script's record of the signals it got.
+"""
 from __future__ import annotations
 
 import json
@@ -9,10 +14,81 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
+FAILURES_DIR = "failures"  # <run dir>/failures/<attempt>.rank-<N>.json, one per rank that failed
+
+# --- exit codes ------------------------------------------------------------------------------------
 EXIT_FINISHED = 0
+EXIT_USAGE = 2  # a spec, flag or file to fix (HpcgpuError)
+EXIT_SCHEDULER = 3  # the scheduler refused or failed (SchedulerError)
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped at a checkpoint after a preemption/timeout signal or Ctrl-C
 
+# --- markers ---------------------------------------------------------------------------------------
 FINISHED_MARKER = "FINISHED"  # in a run dir: the run is done and never trains (or requeues) again
+COMPLETE_MARKER = "COMPLETE"  # in checkpoints/step-N/: the checkpoint was written whole
+
+# --- variables a launcher sets for each rank (and the job's own code may read) ----------------------
+ENV_LAUNCHER = "HPCGPU_LAUNCHER"  # slurm | local | torchrun | single
+ENV_RUN_DIR = "HPCGPU_RUN_DIR"
+ENV_SPEC = "HPCGPU_SPEC"
+ENV_CHECKPOINT_DIR = "HPCGPU_CHECKPOINT_DIR"  # for a task: command program's own checkpoints
+ENV_JOB_START = "HPCGPU_JOB_START"  # epoch seconds the batch script started: timeout vs preemption
+ENV_PENDING_SIGNAL = "HPCGPU_PENDING_SIGNAL"  # a stop signal the batch script got before srun ran
+ENV_PARENT_PID = "HPCGPU_PARENT_PID"  # the local executor: a rank dies with this process
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Every path of one run dir, derived in one place."""
+
+    run_dir: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.run_dir / "spec.yaml"
+
+    @property
+    def plan(self) -> Path:
+        return self.run_dir / "plan.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def gpu_log(self) -> Path:
+        return self.run_dir / "gpu.jsonl"
+
+    @property
+    def model(self) -> Path:
+        return self.run_dir / "model"
+
+    @property
+    def failures(self) -> Path:
+        return self.run_dir / FAILURES_DIR
+
+    @property
+    def finished(self) -> Path:
+        return self.run_dir / FINISHED_MARKER
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    @classmethod
+    def in_job(cls, spec_path: Path | None, environ: Mapping[str, str] | None = None) -> "RunPaths":
+        """Inside a job: the launcher's HPCGPU_RUN_DIR, else the spec's folder, else here."""
+        env = os.environ if environ is None else environ
+        given = env.get(ENV_RUN_DIR)
+        if given:
+            return cls(Path(given))
+        return cls(Path(spec_path).resolve().parent if spec_path else Path.cwd())
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -24,8 +100,6 @@ def write_finished(run_dir: Path) -> None:
 
 
 # --- why a rank failed: written by the rank (or the local executor), read by `hpcgpu status` -------
-
-FAILURES_DIR = "failures"  # <run dir>/failures/<attempt>.rank-<N>.json, one per rank that failed
 
 
 @dataclass(frozen=True)
