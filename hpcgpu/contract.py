@@ -25,6 +25,7 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped at a checkpoint after a preemption/tim
 # --- markers ---------------------------------------------------------------------------------------
 FINISHED_MARKER = "FINISHED"  # in a run dir: the run is done and never trains (or requeues) again
 COMPLETE_MARKER = "COMPLETE"  # in checkpoints/step-N/: the checkpoint was written whole
+PLAN_FILE = "plan.json"  # the run plan, in the run dir and in every checkpoints/step-N/
 
 # --- variables a launcher sets for each rank (and the job's own code may read) ----------------------
 ENV_LAUNCHER = "HPCGPU_LAUNCHER"  # slurm | local | torchrun | single
@@ -34,6 +35,7 @@ ENV_CHECKPOINT_DIR = "HPCGPU_CHECKPOINT_DIR"  # for a task: command program's ow
 ENV_JOB_START = "HPCGPU_JOB_START"  # epoch seconds the batch script started: timeout vs preemption
 ENV_PENDING_SIGNAL = "HPCGPU_PENDING_SIGNAL"  # a stop signal the batch script got before srun ran
 ENV_PARENT_PID = "HPCGPU_PARENT_PID"  # the local executor: a rank dies with this process
+ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"  # a size (80G) that replaces each rank's GPU memory reading for the plan
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class RunPaths:
 
     @property
     def plan(self) -> Path:
-        return self.run_dir / "plan.json"
+        return self.run_dir / PLAN_FILE
 
     @property
     def checkpoints(self) -> Path:

@@ -11,14 +11,14 @@ from typing import Any
 
 import click
 
-from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import select
 from hpcgpu.gpu.estimate import (STRATEGIES, ModelDims, count_params, dims_from_config, estimate, fits,
                                  fmt_bytes, max_micro_batch, parse_size, usable_bytes)
-from hpcgpu.gpu.readings import default_source
+from hpcgpu.gpu.source import default_source
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
-from hpcgpu.spec import Spec
+from hpcgpu.spec import Spec, load_spec
 
 
 def detected_gpu(spec: Spec) -> tuple[int | None, str]:
@@ -65,7 +65,8 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
                  gpu_memory: str | None, micro_batch: int | None, as_json: bool) -> None:
     """Memory per GPU for SPEC under DDP and ZeRO-1/2/3 (with and without offload): weights, grads,
     optimizer states, buffers and activations; what fits, and the largest micro batch that does."""
-    spec = read_spec(spec_file, overrides, gpus, nodes)
+    # memory needs the model, the batch and data.seq_len, not the training text: no data.train required
+    spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False)
     if spec.task != "train":
         raise HpcgpuError(f"task: estimate is for task: train (this spec is task: {spec.task})")
     gpu_total, gpu_what = (parse_size(gpu_memory), "--gpu-memory") if gpu_memory else detected_gpu(spec)

@@ -28,3 +28,8 @@ def spec_options(f: F) -> F:
 def read_spec(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | None = None,
               nodes: int | None = None) -> Spec:
     return load_spec(spec_file, overrides, gpus=gpus, nodes=nodes)
+
+
+ignore_busy_option = click.option(
+    "--ignore-busy", is_flag=True,
+    help="Use GPUs that other processes are using, too (local executor and queue).")

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import click
 
-from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.cli.options import ignore_busy_option, read_spec, spec_options
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.cli.table import format_table
-from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, SubmitProcess, exit_code, queue_file_lines,
+from hpcgpu.gpu.busy import BusyThresholds, strictest
+from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, exit_code, local_starter, queue_file_lines,
                                  summary_rows)
+from hpcgpu.launch.registry import Registry
 from hpcgpu.launch.rundir import find_finished_run, missing_inputs
 from hpcgpu.launch.sweep import sweep_tasks, with_sweep
 from hpcgpu.spec import Spec
@@ -42,7 +44,8 @@ def _line(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: i
 
 
 def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
-    """One line's jobs: one, or one per point of a sweep (its `sweep:` or --sweep flags)."""
+    """One line's jobs: one, or one per point of a sweep (its `sweep:` or --sweep flags). The spec
+    is read here, once; the jobs run the resolved specs (a sweep point's as sweep_tasks made it)."""
     where = f"{queue_file}:{line}"
     try:
         params = _line.main(args=shlex.split(text), prog_name=where, standalone_mode=False)
@@ -54,8 +57,8 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
         tasks = sweep_tasks(spec)
         if not tasks:
             return [point_entry(where, line, spec_path, params, spec)]
-        # each point as the --set overrides its `hpcgpu submit` gets, read back as that child will
-        return [point_entry(where, line, spec_path, params, None, task.label(),
+        # each point shown as the --set overrides that would give its spec
+        return [point_entry(where, line, spec_path, params, task.spec, task.label(),
                             tuple(f"{k}={json.dumps(v)}" for k, v in task.values.items()) + ("sweep={}",))
                 for task in tasks]
     except (ValueError, click.ClickException) as exc:
@@ -68,23 +71,22 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
         raise UsageError(f"{where}: {exc}") from None
 
 
-def point_entry(where: str, line: int, spec_path: Path, params: dict, spec: Spec | None, label: str = "",
+def point_entry(where: str, line: int, spec_path: Path, params: dict, spec: Spec, label: str = "",
                 extra: tuple[str, ...] = ()) -> QueueEntry:
-    """The job of one line (or of one sweep point: its values as --set overrides), checked."""
-    overrides = tuple(params["overrides"]) + extra
-    if spec is None:
-        spec = read_spec(str(spec_path), overrides, params["gpus"], params["nodes"])
+    """The job of one line (or of one sweep point), checked."""
     if spec.resources.nodes > 1:
         raise UsageError(f"{where}: the queue runs jobs on this machine: drop --nodes / resources.nodes > 1")
     missing = missing_inputs(spec)
     if missing:
         raise UsageError(f"{where}: file not found: {missing[0]}")
-    argv = [str(spec_path.resolve())] + [a for kv in overrides for a in ("--set", kv)]
+    spec_ref = str(spec_path.resolve())
+    argv = [spec_ref] + [a for kv in tuple(params["overrides"]) + extra for a in ("--set", kv)]
     argv += [f"--gpus={params['gpus']}"] if params["gpus"] else []
     argv += ["--new"] if params["fresh"] else []
     finished = None if params["fresh"] else find_finished_run(spec)
     name = f"{spec.name}[{label}]" if label else spec.name
-    return QueueEntry(line, tuple(argv), name, spec.resources.gpus, str(finished or ""))
+    return QueueEntry(line, tuple(argv), name, spec.resources.gpus, str(finished or ""), spec=spec, spec_ref=spec_ref,
+                      fresh=params["fresh"])
 
 
 def read_entries(queue_file: Path) -> list[QueueEntry]:
@@ -97,14 +99,25 @@ def read_entries(queue_file: Path) -> list[QueueEntry]:
     return [entry for no, text in lines for entry in parse_line(queue_file, no, text)]
 
 
-def gpu_pool(gpus: str | None, ignore_busy: bool) -> tuple[list[str] | None, list[str]]:
-    """The GPU ids the queue may use and warnings about left-out ones; None: no GPU, CPU mode."""
-    from hpcgpu.gpu.busy import busy_reasons, select
+def pool_thresholds(entries: list[QueueEntry], memory_pct: float | None, util_pct: float | None
+                    ) -> BusyThresholds:
+    """When a GPU is too busy for the pool: the flags, else the lines' resources.busy (where lines
+    differ, the strictest: a GPU that any job would call busy is left out)."""
+    th = strictest([BusyThresholds.from_spec(e.spec.resources.busy) for e in entries if e.spec is not None])
+    return BusyThresholds(th.memory_pct if memory_pct is None else memory_pct,
+                          th.util_pct if util_pct is None else util_pct, th.processes)
+
+
+def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThresholds()
+             ) -> tuple[list[str] | None, list[str]]:
+    """The GPU ids the queue may use and notes about busy ones (left out, or used with
+    --ignore-busy: with their processes and memory); None: no GPU, CPU mode."""
+    from hpcgpu.gpu.busy import busy_reasons, select, usage_text
     from hpcgpu.gpu.source import default_source
 
-    source = default_source()
     if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         return None, []  # GPUs hidden on purpose: the CPU it is
+    source = default_source()
     if not source.available():
         if gpus:  # trusted as given: nothing here to check them against
             return [g.strip() for g in gpus.split(",") if g.strip()], []
@@ -115,11 +128,15 @@ def gpu_pool(gpus: str | None, ignore_busy: bool) -> tuple[list[str] | None, lis
         raise UsageError(f"--gpus {gpus}: {why}")
     notes, ids = [], []
     for r in chosen:
-        reasons = busy_reasons(r)
+        reasons = busy_reasons(r, th)
         if reasons and not ignore_busy:
-            notes.append(f"GPU {r.index} left out, busy: {', '.join(reasons)} (--ignore-busy uses it anyway)")
-        else:
-            ids.append(str(r.index))
+            notes.append(f"GPU {r.index} left out, busy: {', '.join(reasons)}; {usage_text(r)} "
+                         "(--ignore-busy uses it anyway)")
+            continue
+        if reasons:
+            notes.append(f"warning: GPU {r.index} is busy: {', '.join(reasons)}; {usage_text(r)}; "
+                         "used anyway (--ignore-busy)")
+        ids.append(str(r.index))
     return ids, notes
 
 
@@ -127,17 +144,23 @@ def gpu_pool(gpus: str | None, ignore_busy: bool) -> tuple[list[str] | None, lis
 @click.argument("queue_file", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--gpus", default=None, metavar="0,1,4,7",
               help="The GPUs the queue may use (default: every free GPU here).")
-@click.option("--ignore-busy", is_flag=True, help="Use GPUs that other processes are using, too.")
+@ignore_busy_option
+@click.option("--busy-memory-pct", type=click.FloatRange(0, 100), default=None, metavar="PCT",
+              help="A GPU with more than this % of its memory used is busy [the lines' resources.busy.memory_pct, 10].")
+@click.option("--busy-util-pct", type=click.FloatRange(0, 100), default=None, metavar="PCT",
+              help="A GPU with more than this % utilization is busy [the lines' resources.busy.util_pct, 10].")
 @click.option("--dry-run", is_flag=True, help="Check every line and show the pool; start nothing.")
-def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, dry_run: bool) -> int:
+def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, busy_memory_pct: float | None,
+          busy_util_pct: float | None, dry_run: bool) -> int:
     """Run the jobs of FILE (one `SPEC [--gpus N] [--set K=V]` per line) over free local GPUs."""
     entries = read_entries(queue_file)
-    ids, notes = gpu_pool(gpus, ignore_busy)
+    ids, notes = gpu_pool(gpus, ignore_busy, pool_thresholds(entries, busy_memory_pct, busy_util_pct))
     for note in notes:
         click.echo(f"queue: {note}", err=True)
     if ids is not None:
         if not ids:
-            raise UsageError("no free GPU to run the queue on" + (f" among --gpus {gpus}" if gpus else ""))
+            raise UsageError("no free GPU to run the queue on" + (f" among --gpus {gpus}" if gpus else "")
+                             + " (--ignore-busy uses busy ones)")
         too_big = [e for e in entries if e.gpus > len(ids)]
         if too_big:
             e = too_big[0]
@@ -151,6 +174,6 @@ def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, dry_run: bool) 
             (str(e.line), e.name, str(e.gpus), "skipped: finished in " + e.finished_in if e.finished_in
              else shlex.join(e.argv)) for e in entries]))
         return 0
-    results = Queue(entries, GpuPool(ids), SubmitProcess, lambda m: click.echo(m, err=True)).run()
+    results = Queue(entries, GpuPool(ids), local_starter(Registry()), lambda m: click.echo(m, err=True)).run()
     click.echo(format_table(summary_rows(results)))
     return exit_code(results)

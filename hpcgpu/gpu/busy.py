@@ -78,3 +78,29 @@ def select(readings: Sequence[GpuReading], devices: str | None = None, cuda_visi
 def busy_warnings(chosen: Sequence[GpuReading], th: BusyThresholds = BusyThresholds()) -> list[str]:
     """One line per chosen GPU that someone else is using."""
     return [f"GPU {r.index} ({r.name}) is busy: {', '.join(busy_reasons(r, th))}" for r in chosen if is_busy(r, th)]
+
+
+GiB = 1 << 30
+
+
+def usage_text(r: GpuReading) -> str:
+    """What is on a GPU: '62.0 of 79.6 GiB used; processes: pid 412233 python (61.5 GiB)'."""
+    text = f"{r.memory_used / GiB:.1f} of {r.memory_total / GiB:.1f} GiB used"
+    if not r.processes:
+        return text + "; no compute process listed"
+    procs = ", ".join(f"pid {p.pid} {p.name or '?'}" + (f" ({p.used_bytes / GiB:.1f} GiB)" if p.used_bytes else "")
+                      for p in r.processes)
+    return f"{text}; processes: {procs}"
+
+
+def busy_detail(r: GpuReading, th: BusyThresholds = BusyThresholds()) -> str:
+    """One line about a busy GPU: why it counts as busy, its memory and its processes."""
+    return f"GPU {r.index} ({r.name}) is busy: {', '.join(busy_reasons(r, th))}; {usage_text(r)}"
+
+
+def strictest(thresholds: Sequence[BusyThresholds]) -> BusyThresholds:
+    """The thresholds under which a GPU that any of them calls busy is busy (defaults for none)."""
+    if not thresholds:
+        return BusyThresholds()
+    return BusyThresholds(min(t.memory_pct for t in thresholds), min(t.util_pct for t in thresholds),
+                          any(t.processes for t in thresholds))

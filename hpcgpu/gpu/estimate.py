@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcgpu.errors import HpcgpuError
+
+if TYPE_CHECKING:
+    from hpcgpu.spec import Spec
 
 GiB = 1 << 30
 ACT_PER_LAYER = 34  # Korthikanti's sbh coefficient (fused kernels: a compiled step)
@@ -165,7 +168,7 @@ def dims_from_config(cfg: Any, seq_len: int, n_params: int | None = None, compil
                      compiled=compiled)
 
 
-def model_config(spec: Any) -> Any:
+def model_config(spec: Spec) -> Any:
     """The spec's transformers config object (imports transformers)."""
     from transformers import AutoConfig
 
@@ -178,7 +181,7 @@ def model_config(spec: Any) -> Any:
         raise HpcgpuError(f"model: cannot build the model config: {exc}") from None
 
 
-def count_params(spec: Any) -> tuple[int, Any]:
+def count_params(spec: Spec) -> tuple[int, Any]:
     """(parameter count, config) of the spec's model, built on the meta device: no weights, no GPU."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -3,15 +3,21 @@
 Pure functions over (model shape, GPU memory, world size, batch): unit-testable on a CPU machine.
 The ladder follows the memory each step saves: DDP while the model states fit, ZeRO-2 when the
 optimizer states do not, ZeRO-3 when the parameters do not, then offload to host RAM.
+
+A Recommendation is advice: `hpcgpu hw` and `hpcgpu estimate` print it, and the job's run plan
+(runtime/plan.py) takes its choices from it. Nothing here rewrites a Spec.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (DDP, STRATEGIES, ModelDims, Strategy, dims_from_config, estimate, fmt_bytes,
                                  max_micro_batch, usable_bytes)
+from hpcgpu.spec.derive import batch_split
+
+if TYPE_CHECKING:
+    from hpcgpu.spec import Spec
 
 # fastest first: ZeRO-3 on the GPU beats offloading the optimizer to a CPU Adam
 LADDER: tuple[Strategy, ...] = tuple(next(s for s in STRATEGIES if s.name == name) for name in
@@ -52,24 +58,21 @@ def spec_strategy_name(st: Strategy, world: int) -> str:
     return "deepspeed"
 
 
-def per_rank_batch(global_batch: int, world: int) -> int:
-    if global_batch % world:
-        raise HpcgpuError(f"train.global_batch_size {global_batch} is not divisible by the {world} ranks")
-    return global_batch // world
-
-
-def recommend(d: ModelDims, gpu_total: int | None, world: int, global_batch: int, cpus_per_gpu: int = 4,
-              micro: int | None = None, strategy: Strategy | None = None) -> Recommendation:
-    """micro/strategy given: keep them (and check they fit); None: choose."""
-    per_rank = per_rank_batch(global_batch, world)
-    if micro is not None and per_rank % micro:
-        raise HpcgpuError(f"train.micro_batch_size {micro} does not divide the {per_rank} sequences per rank")
+def recommend(d: ModelDims | None, gpu_total: int | None, world: int, global_batch: int, cpus_per_gpu: int = 4,
+              micro: int | None = None, strategy: Strategy | None = None,
+              ranks: str = "nodes x gpus") -> Recommendation:
+    """micro/strategy given: keep them (and check they fit); None: choose. Without GPU memory
+    (gpu_total None) the model's shape is not needed (d may be None): the CPU rule decides.
+    ranks: where `world` comes from, for the error when the global batch does not divide."""
+    per_rank, _ = batch_split(global_batch, world, micro, ranks=ranks)
     workers = loader_workers(cpus_per_gpu)
     if gpu_total is None:
         m = micro or max(divisors_upto(per_rank, CPU_MICRO_MAX))
         st = strategy or DDP
         return Recommendation(m, per_rank // m, spec_strategy_name(st, world), st.zero_stage, st.offload,
                               f"no GPU memory to go by: micro batch {m}, {spec_strategy_name(st, world)}", workers)
+    if d is None:
+        raise ValueError("recommend: the model's shape is needed to fit it into GPU memory")
     tried: list[str] = []
     for st in ([strategy] if strategy else LADDER):
         top = max_micro_batch(d, st, world, gpu_total)
@@ -97,7 +100,7 @@ def _chosen(d: ModelDims, st: Strategy, m: int, per_rank: int, world: int, gpu_t
                           workers, e.total, True)
 
 
-def spec_strategy(spec: Any) -> Strategy | None:
+def spec_strategy(spec: Spec) -> Strategy | None:
     """The spec's fixed strategy as a Strategy, or None for auto."""
     s = spec.distributed.strategy
     if s == "auto":
@@ -109,34 +112,22 @@ def spec_strategy(spec: Any) -> Strategy | None:
                     ds.offload_params)
 
 
-def compiled_step(spec: Any, on_gpu: bool = True) -> bool:
+def compiled_step(spec: Spec, on_gpu: bool = True) -> bool:
     """Whether the DDP step runs under torch.compile (train.compile: auto means on a GPU)."""
     c = spec.train.compile
     return on_gpu if c == "auto" else bool(c)
 
 
-def recommend_for_job(spec: Any, n_params: int | None, model_config: Any, gpu_total_bytes: int | None,
-                      world: int) -> Recommendation:
-    """For the job: fills train.micro_batch_size: auto and distributed.strategy: auto, keeps what the
-    spec fixes. model_config: the HF config (object or mapping); n_params None: counted from it."""
-    d = dims_from_config(model_config, spec.data.seq_len, n_params, compiled_step(spec))
+def recommend_for_job(spec: Spec, n_params: int | None, model_config: Any, gpu_total_bytes: int | None,
+                      world: int, compiled: bool | None = None, ranks: str = "nodes x gpus") -> Recommendation:
+    """For the spec: chooses train.micro_batch_size: auto and distributed.strategy: auto, keeps what the
+    spec fixes. model_config: the HF config (object or mapping), or None when there is no GPU memory to
+    go by (the CPU rule needs no shape); n_params None: counted from it. compiled: whether the DDP step
+    runs compiled (None: train.compile as on a GPU)."""
+    d = None
+    if model_config is not None:
+        step = compiled_step(spec) if compiled is None else compiled
+        d = dims_from_config(model_config, spec.data.seq_len, n_params, step)
     mb = spec.train.micro_batch_size
     return recommend(d, gpu_total_bytes, world, spec.train.global_batch_size, spec.resources.cpus_per_gpu,
-                     micro=None if mb == "auto" else int(mb), strategy=spec_strategy(spec))
-
-
-def apply_recommendation(spec: Any, rec: Recommendation) -> Any:
-    """The spec with its `auto` micro batch and strategy replaced by the recommendation's; what the
-    spec fixed stays. (The resolved spec is what the trainer and its DeepSpeed config read.)"""
-    from dataclasses import replace
-
-    train, dist = spec.train, spec.distributed
-    if train.micro_batch_size == "auto":
-        train = replace(train, micro_batch_size=rec.micro_batch)
-    if dist.strategy == "auto":
-        dist = replace(dist, strategy=rec.strategy)
-        if rec.zero_stage is not None:
-            dist = replace(dist, deepspeed=replace(dist.deepspeed, zero_stage=rec.zero_stage,
-                                                   offload_optimizer=rec.offload != "none",
-                                                   offload_params=rec.offload == "params+optimizer"))
-    return replace(spec, train=train, distributed=dist)
+                     micro=None if mb == "auto" else int(mb), strategy=spec_strategy(spec), ranks=ranks)

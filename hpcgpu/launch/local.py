@@ -10,6 +10,9 @@ rank lives and is released by the kernel when the last one is gone; each rank as
 SIGKILL it when the launcher dies (HPCGPU_PARENT_PID, hpcgpu/procs.py), so a launcher killed with
 SIGKILL takes its ranks along. Orderly stops (Ctrl-C, SIGTERM, a terminal hang-up, `hpcgpu cancel`)
 go through the launcher: the ranks checkpoint and stop.
+
+The job around the ranks (busy GPUs, which run dir, the registry record, how it ended) is
+local_submit.py's; this module only starts the ranks and waits for them.
 """
 from __future__ import annotations
 
@@ -43,15 +46,17 @@ def free_port() -> int:
 
 
 def local_gpus(spec: Spec, environ: dict[str, str] | None = None) -> list[str]:
-    """GPU ids the local ranks may use: resources.devices, else CUDA_VISIBLE_DEVICES, else all found."""
+    """GPU ids the local ranks may use: resources.devices, else CUDA_VISIBLE_DEVICES, else all found
+    (through NVML, or the recording HPCGPU_NVML_RECORDED names)."""
     env = os.environ if environ is None else environ
     if spec.resources.devices:
         return spec.resources.devices.split(",")
     if env.get("CUDA_VISIBLE_DEVICES") is not None:
         return [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    from hpcgpu.gpu.nvml import gpu_count
+    from hpcgpu.gpu.source import default_source
 
-    return [str(i) for i in range(gpu_count())]
+    source = default_source()
+    return [str(r.index) for r in source.read(processes=False)] if source.available() else []
 
 
 def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus: list[str],

@@ -1,10 +1,12 @@
 """A local queue: the jobs of a queue file spread over a pool of GPUs on this machine.
 
-Each job is an ordinary `hpcgpu submit SPEC --executor local` (its own run dir, registry record,
-logs, resume rules) started with CUDA_VISIBLE_DEVICES set to GPUs that no other job of the queue
-holds. Jobs start in file order as soon as enough GPUs are free; a later, smaller job may start
-while an earlier, larger one waits (first fit), so a free GPU never idles behind a big job.
-Without GPUs (no NVML, no --gpus) the jobs run one after another on the CPU.
+Each job is an ordinary local job (its own run dir, registry record, logs, resume rules): the queue
+registers it (launch/local_submit.py: run dir and record, so its job id and run dir are known before
+it runs) and starts its executor, `python -m hpcgpu.launch.local_submit JOB_ID`, as a child with
+CUDA_VISIBLE_DEVICES set to GPUs that no other job of the queue holds; how the job ended is read
+back from the registry. Jobs start in file order as soon as enough GPUs are free; a later, smaller
+job may start while an earlier, larger one waits (first fit), so a free GPU never idles behind a
+big job. Without GPUs (no NVML, no --gpus) the jobs run one after another on the CPU.
 
 Host side: no torch here.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,21 +23,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence
 
-from hpcgpu.contract import EXIT_STOPPED
+from hpcgpu.contract import EXIT_STOPPED, RunPaths
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch.registry import Registry
 from hpcgpu.procs import PARENT_PID_VAR
+from hpcgpu.spec import Spec
 
-JOB_LINE = re.compile(r"job (\S+) \(local\), run dir (\S+)")
+LAUNCHER_LOG = "launcher.log"  # <run dir>/logs/: a queued job's executor's own messages (its stderr)
 
 
 @dataclass(frozen=True)
 class QueueEntry:
-    """One line of the queue file, checked: the submit arguments and what the job needs."""
+    """One job of the queue file, checked: its resolved spec (read once) and what the job needs."""
 
     line: int
-    argv: tuple[str, ...]  # SPEC [--gpus N] [--set K=V]... [--new], SPEC made absolute
+    argv: tuple[str, ...]  # what the line amounts to, as `hpcgpu submit` arguments (shown by --dry-run)
     name: str
     gpus: int
     finished_in: str = ""  # run dir of an identical spec that finished: the line is skipped
+    spec: Spec | None = field(default=None, compare=False, repr=False)
+    spec_ref: str = ""  # the spec file, as the registry records it
+    fresh: bool = False  # --new: always a fresh run dir
 
 
 @dataclass
@@ -59,50 +66,94 @@ class QueueResult:
 
 
 class Running(Protocol):
+    def started(self) -> str: ...  # for the line saying the job started: ", job local-3" or ""
     def poll(self) -> int | None: ...
     def send(self, sig: int) -> None: ...
-    def details(self) -> tuple[str, str, str]: ...  # job id, run dir, last error line
+    def details(self) -> tuple[str, str, str]: ...  # job id, run dir, why it failed ("" if unknown)
 
 
-class SubmitProcess:
-    """`hpcgpu submit ... --executor local` as a child in its own session (a terminal's Ctrl-C
-    reaches the queue only; the queue forwards one signal), its stderr scanned for the job id.
-    It dies with the queue (HPCGPU_PARENT_PID, hpcgpu/procs.py), and its ranks with it: start it
-    from the thread that runs the queue."""
+class LocalJob:
+    """One queued job: registered here (run dir, record), its executor a child in its own session
+    (a terminal's Ctrl-C reaches the queue only; the queue forwards one signal). The executor dies
+    with the queue (HPCGPU_PARENT_PID, hpcgpu/procs.py), and its ranks with it: start it from the
+    thread that runs the queue."""
 
-    def __init__(self, entry: QueueEntry, devices: list[str] | None):
+    def __init__(self, entry: QueueEntry, devices: list[str] | None, registry: Registry):
+        from hpcgpu.launch import local_submit
+
+        assert entry.spec is not None
         env = dict(os.environ)
         env[PARENT_PID_VAR] = str(os.getpid())  # the job (and its ranks) ends with the queue
         if devices is not None:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ids mean what nvidia-smi and NVML show
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        self.job_id = self.run_dir = self.error = ""
-        self.proc = subprocess.Popen([sys.executable, "-m", "hpcgpu", "submit", *entry.argv, "--executor", "local"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.registry = registry
+        self.record, self.resumed = local_submit.register(entry.spec, entry.spec_ref, registry, fresh=entry.fresh,
+                                                          environ=env)
+        logs = RunPaths(Path(self.record.run_dir)).logs
+        logs.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(logs / LAUNCHER_LOG, "a") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "hpcgpu.launch.local_submit", self.record.job_id],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,  # rank 0's output: logs/rank-0.log
+                    stderr=log, env=env, start_new_session=True)
+        except OSError as exc:
+            registry.update(self.record, state="FAILED", reason=f"cannot start the local executor: {exc}",
+                            ended=time.time())
+            raise HpcgpuError(self.record.reason) from None
+        local_submit.executor_started(registry, self.record, self.proc.pid)
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            if m := JOB_LINE.search(line):
-                self.job_id, self.run_dir = m.group(1), m.group(2)
-            elif line.startswith("hpcgpu: error:") or "Traceback" in line:
-                self.error = line.strip()
+    def started(self) -> str:
+        return f", job {self.record.job_id}" + (f", resuming {self.record.run_dir}" if self.resumed else "")
 
     def poll(self) -> int | None:
-        code = self.proc.poll()
-        if code is not None:
-            self._reader.join(timeout=5)
-        return code
+        return self.proc.poll()
 
     def send(self, sig: int) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
     def details(self) -> tuple[str, str, str]:
-        return self.job_id, self.run_dir, self.error
+        """From the registry: how the executor recorded the job's end (or, had it no chance to, that
+        it ended without a word)."""
+        from hpcgpu.launch.jobs import is_final, refresh
+
+        record, _ = self.registry.find(self.record.job_id)
+        if not is_final(record.state):
+            refresh(self.registry, [record])
+        error = record.reason if record.state not in ("COMPLETED", "PREEMPTED") else ""
+        return record.job_id, record.run_dir, error
+
+
+class NotStarted:
+    """A job whose registration failed (a runs_dir that cannot hold its run dir): one line, exit 2."""
+
+    def __init__(self, error: HpcgpuError):
+        self.error, self.code = str(error), error.exit_code
+
+    def started(self) -> str:
+        return ""
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def send(self, sig: int) -> None:
+        pass
+
+    def details(self) -> tuple[str, str, str]:
+        return "", "", self.error
+
+
+def local_starter(registry: Registry) -> "Starter":
+    """How the queue starts a job: register it and start its executor (LocalJob)."""
+    def start(entry: QueueEntry, devices: list[str] | None) -> Running:
+        try:
+            return LocalJob(entry, devices, registry)
+        except HpcgpuError as exc:
+            return NotStarted(exc)
+
+    return start
 
 
 Starter = Callable[[QueueEntry, "list[str] | None"], Running]
@@ -173,7 +224,7 @@ class Queue:
             job = self.start(r.entry, devices if self.pool.ids is not None else None)
             r.devices = devices
             where = f"GPU {','.join(devices)}" if devices else "the CPU"
-            self.echo(f"[line {r.entry.line}] {r.entry.name}: started on {where}")
+            self.echo(f"[line {r.entry.line}] {r.entry.name}: started on {where}{job.started()}")
             running.append((r, job, devices, time.monotonic()))
         return left
 

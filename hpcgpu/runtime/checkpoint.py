@@ -4,6 +4,7 @@ Layout of <run dir>/checkpoints/:
     step-00000020/            a complete checkpoint (COMPLETE marker inside)
         COMPLETE              JSON: step, tokens, world size, time
         spec.yaml             the resolved spec that wrote it
+        plan.json             the run plan it was trained under (runtime/plan.py): a resume reuses it
         .metadata, __0_0.distcp ...   model + optimizer through torch.distributed.checkpoint (sharded)
         rank-0.pt, rank-1.pt  per-rank state: trainer position and every RNG state
     .step-00000040.tmp/       being written (or left by a kill): never resumed from
@@ -29,11 +30,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from hpcgpu.contract import COMPLETE_MARKER
+from hpcgpu.contract import COMPLETE_MARKER, PLAN_FILE
 
 log = logging.getLogger("hpcgpu")
 
 MARKER = COMPLETE_MARKER
+SPEC_NAME = "spec.yaml"
 STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -175,10 +177,11 @@ class CheckpointManager:
     """Collective save/load of (sharded tensors, per-rank state) in the step-N layout."""
 
     def __init__(self, root: Path, policy: CheckpointPolicy, rank: int = 0, world_size: int = 1,
-                 spec_text: str | None = None):
+                 spec_text: str | None = None, plan_text: str | None = None):
         self.root, self.policy = root, policy
         self.rank, self.world_size = rank, world_size
-        self.spec_text = spec_text
+        self.spec_text = spec_text  # written beside every checkpoint by rank 0 (spec.yaml)
+        self.plan_text = plan_text  # likewise (plan.json); a task sets it once its plan is settled
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
         self._pending: tuple[Future, Path, int, dict[str, Any]] | None = None
@@ -267,7 +270,9 @@ class CheckpointManager:
         self._barrier()  # every rank's shards are on disk
         if self.rank == 0:
             if self.spec_text is not None:
-                (tmp / "spec.yaml").write_text(self.spec_text)
+                (tmp / SPEC_NAME).write_text(self.spec_text)
+            if self.plan_text is not None:
+                (tmp / PLAN_FILE).write_text(self.plan_text)
             marker = tmp / MARKER
             marker.write_text(json.dumps(meta) + "\n")
             _fsync_dir(tmp)

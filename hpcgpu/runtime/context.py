@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
 from hpcgpu.spec import Spec, dump_spec, load_spec
 
+if TYPE_CHECKING:
+    from hpcgpu.runtime.plan import RunPlan
+
 log = logging.getLogger("hpcgpu")
 
 
@@ -30,6 +33,7 @@ class Context:
     run_dir: Path
     device: torch.device
     checkpoint: Any = None  # a checkpoint manager, set by tasks that checkpoint
+    plan: RunPlan | None = None  # the task's run plan, set by tasks that make one (train)
     stop_flag: StopFlag = field(default_factory=StopFlag)
     _closed: bool = False
 
@@ -79,15 +83,21 @@ def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, P
     return load_spec(path), Path(path).resolve()
 
 
-def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = None) -> Context:
+def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = None,
+         alone_group: bool | None = None) -> Context:
     """Detect the environment, bind the device, start the process group, install the stop flag.
 
-    paths: the run dir `hpcgpu run` decided; user code calling hpcgpu.init() leaves it out."""
+    paths: the run dir `hpcgpu run` decided; user code calling hpcgpu.init() leaves it out.
+    alone_group: whether a job of one rank gets a (one-rank) process group, which DeepSpeed needs even
+    alone. None: when the spec says distributed.strategy: deepspeed (the user's own code); the train
+    task passes False and starts it after its run plan chose DeepSpeed (strategy: auto may)."""
     spec_obj, spec_path = _resolve_spec(spec)
     env = DistEnv.from_environ()
     setup_logging(env)
     device = _dist.select_device(env)
-    _dist.init_process_group(env, spec_obj, device)
+    if alone_group is None:
+        alone_group = spec_obj is not None and spec_obj.distributed.strategy == "deepspeed"
+    _dist.init_process_group(env, spec_obj, device, alone=alone_group)
     run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
     if spec_obj is not None:

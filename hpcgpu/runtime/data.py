@@ -106,14 +106,18 @@ class DataPosition:
 
 
 class BatchSchedule:
-    """Global batches of block indices in a seeded per-epoch order; each rank takes its slice."""
+    """Global batches of block indices in a seeded per-epoch order; each rank takes its slice.
 
-    def __init__(self, num_blocks: int, global_batch: int, seed: int, rank: int, world: int, micro: int):
+    The split (sequences per rank, micro batch) is the run plan's: nothing is divided here."""
+
+    def __init__(self, num_blocks: int, seed: int, rank: int, *, global_batch: int, per_rank: int, micro: int):
         if num_blocks < global_batch:
             raise HpcgpuError(f"the data has {num_blocks} sequences, fewer than one global batch "
                               f"({global_batch}); use more text, a smaller seq_len or global_batch_size")
+        if (rank + 1) * per_rank > global_batch:
+            raise ValueError(f"rank {rank} x {per_rank} sequences lies outside the global batch of {global_batch}")
         self.num_blocks, self.global_batch, self.seed = num_blocks, global_batch, seed
-        self.rank, self.world, self.micro = rank, world, micro
+        self.rank, self.per_rank, self.micro = rank, per_rank, micro
         self.pos = DataPosition()
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
@@ -136,8 +140,7 @@ class BatchSchedule:
 
     def next_micro_batches(self) -> list[torch.Tensor]:
         """This rank's micro batches (index tensors) of the next global batch."""
-        per_rank = self.global_batch // self.world
-        mine = self.next_global()[self.rank * per_rank: (self.rank + 1) * per_rank]
+        mine = self.next_global()[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
         return list(mine.split(self.micro))
 
     def state_dict(self) -> dict[str, int]:

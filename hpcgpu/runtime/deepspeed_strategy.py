@@ -14,6 +14,7 @@ import torch
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.checkpoint import Payload
+from hpcgpu.runtime.plan import RunPlan
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
@@ -34,23 +35,27 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def generated_config(spec: Spec, world: int, micro: int, accum: int, amp_dtype: torch.dtype | None) -> dict:
-    ds = spec.distributed.deepspeed
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
-    if ds.offload_optimizer:
+def generated_config(spec: Spec, plan: RunPlan) -> dict:
+    """The DeepSpeed config of the run plan (batch split, ZeRO stage and offload, precision); the
+    spec gives only what the plan does not decide (gradient clipping)."""
+    t = plan.training
+    if t.strategy != "deepspeed" or t.zero_stage is None:
+        raise ValueError(f"the run plan's strategy is {t.how()}, not deepspeed")
+    zero: dict[str, Any] = {"stage": t.zero_stage}
+    if t.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if ds.offload_params:
+    if t.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if ds.zero_stage == 3:
+    if t.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # a consolidated model at the end
     cfg: dict[str, Any] = {
-        "train_batch_size": micro * accum * world,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.accum,
         "gradient_clipping": spec.train.grad_clip,
         "zero_optimization": zero,
-        "bf16": {"enabled": amp_dtype == torch.bfloat16},
-        "fp16": {"enabled": amp_dtype == torch.float16},
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16"},
         # our torch AdamW (fused on GPU) also under offload: no JIT build of DeepSpeed's CPU Adam
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,

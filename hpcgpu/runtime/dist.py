@@ -36,11 +36,13 @@ def select_device(env: DistEnv) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device) -> None:
-    """Start the process group (nccl on GPU, gloo on CPU) unless the job has one rank and no
-    DeepSpeed (whose engine needs a group even alone: a one-rank group on an in-memory store)."""
+def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, alone: bool = False) -> None:
+    """Start the process group (nccl on GPU, gloo on CPU) of a job of several ranks. A job of one rank
+    gets none unless `alone` (DeepSpeed's engine needs a group even alone): then a one-rank group on an
+    in-memory store. The train task calls this once for a distributed job (in init) and, for one rank,
+    once more only after its run plan chose DeepSpeed: the group never starts twice."""
     export_rendezvous(env, spec)
-    alone_in_deepspeed = spec is not None and spec.distributed.strategy == "deepspeed" and not env.distributed
+    alone_in_deepspeed = alone and not env.distributed
     if not (env.distributed or alone_in_deepspeed) or dist.is_initialized():
         return
     timeout_s = spec.distributed.nccl.timeout_s if spec else DEFAULT_PG_TIMEOUT_S

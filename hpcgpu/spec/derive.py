@@ -1,7 +1,27 @@
 """Values derived from a spec that both the launchers and the job need (no imports but the schema)."""
 from __future__ import annotations
 
+from hpcgpu.errors import SpecError
 from hpcgpu.spec.schema import Spec
+
+
+def batch_split(global_batch: int, world: int, micro: int | None = None, *,
+                ranks: str = "nodes x gpus") -> tuple[int, int | None]:
+    """(sequences per rank, accumulation steps) of `global_batch` over `world` ranks at micro batch
+    `micro` (accumulation None while the micro batch is still to be chosen).
+
+    The one place a global batch is divided: the spec check (host side, the spec's own numbers) and the
+    job's run plan (the real world size) both call it. A batch that does not divide is a SpecError
+    naming the key, never a silent round-down. `ranks` says where the world size comes from."""
+    if global_batch % world:
+        raise SpecError("train.global_batch_size", f"{global_batch} is not divisible by the {world} ranks ({ranks})")
+    per_rank = global_batch // world
+    if micro is None:
+        return per_rank, None
+    if per_rank % micro:
+        raise SpecError("train.micro_batch_size", f"{micro} does not divide the {per_rank} sequences per rank "
+                        f"(global_batch_size {global_batch} / {world} ranks)")
+    return per_rank, per_rank // micro
 
 
 def nccl_env(spec: Spec) -> dict[str, str]:

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from hpcgpu.errors import SpecError
+from hpcgpu.spec.derive import batch_split
 from hpcgpu.spec.parse import LineMap, parse_section, section_fields, to_plain
 from hpcgpu.spec.schema import ENV_NAME_RE, SBATCH_OPT_RE, Spec, looks_secret
 
@@ -132,8 +133,13 @@ def load_spec(
     overrides: Iterable[str] = (),
     gpus: int | None = None,
     nodes: int | None = None,
+    *,
+    need_data: bool = True,
 ) -> Spec:
-    """Read, override and validate a spec file."""
+    """Read, override and validate a spec file.
+
+    need_data=False skips only the data.train requirement of task: train: `hpcgpu estimate` needs the
+    model, the batch and data.seq_len, not the text (validate, sbatch, submit and run keep it)."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -146,7 +152,7 @@ def load_spec(
     raw, lines = read_yaml(text, str(path))
     if raw is None:
         raise SpecError("", "the spec file has no keys (only comments?); it needs at least `name:`", source=str(path))
-    spec = spec_from_raw(raw, lines, overrides, gpus=gpus, nodes=nodes)
+    spec = spec_from_raw(raw, lines, overrides, gpus=gpus, nodes=nodes, need_data=need_data)
     return resolve_paths(spec, p.resolve().parent)
 
 
@@ -197,7 +203,7 @@ def export_drops(export: str, names: Iterable[str]) -> list[str]:
 
 
 def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[str] = (),
-                  gpus: int | None = None, nodes: int | None = None) -> Spec:
+                  gpus: int | None = None, nodes: int | None = None, *, need_data: bool = True) -> Spec:
     lines = lines or LineMap()
     if not isinstance(raw, dict):
         raise lines.error("", f"the spec must be a mapping of keys (name:, task:, ...), got {type(raw).__name__}")
@@ -207,16 +213,20 @@ def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[st
             set_dotted(raw, key, value, lines)
             lines.flags[key] = f"{flag} {value}"
     spec = parse_section(Spec, raw, "", lines)
-    check_spec(spec, lines)
+    check_spec(spec, lines, need_data=need_data)
     return spec
 
 
-def check_spec(spec: Spec, lines: LineMap) -> None:
+def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     """Checks that span several keys."""
+    if spec.task == "infer":
+        # in the schema already (the inference issue fills it in), refused until then: else it would pass
+        # validate and fail only inside the job, after its wait in the queue
+        raise lines.error("task", "infer is not in this version of hpcgpu; use train, command or callable")
     if spec.task == "train":
         if not (spec.model.name_or_path or spec.model.config):
             raise lines.error("model", "task: train needs model.name_or_path or model.config")
-        if not spec.data.train:
+        if need_data and not spec.data.train:
             raise lines.error("data.train", "task: train needs a training text file")
     if spec.task == "command" and not spec.command:
         raise lines.error("command", "task: command needs `command: [program, args...]`")
@@ -253,16 +263,15 @@ def check_spec(spec: Spec, lines: LineMap) -> None:
 
 
 def _check_batch(spec: Spec, lines: LineMap) -> None:
-    t, world = spec.train, spec.world_size
+    """The spec's own numbers (nodes x gpus), checked early by the rule the job's run plan applies to
+    the real world size (spec/derive.py batch_split)."""
+    t = spec.train
     if spec.task != "train":
         return
-    if t.global_batch_size % world:
-        raise lines.error("train.global_batch_size",
-                          f"{t.global_batch_size} is not divisible by the {world} ranks (nodes x gpus)")
-    if t.micro_batch_size != "auto" and (t.global_batch_size // world) % t.micro_batch_size:
-        raise lines.error("train.micro_batch_size",
-                          f"{t.micro_batch_size} does not divide the {t.global_batch_size // world} "
-                          f"sequences per rank (global_batch_size / ranks)")
+    try:
+        batch_split(t.global_batch_size, spec.world_size, None if t.micro_batch_size == "auto" else t.micro_batch_size)
+    except SpecError as exc:
+        raise lines.error(exc.path, exc.message) from None
 
 
 def _check_sweep(spec: Spec, lines: LineMap) -> None:

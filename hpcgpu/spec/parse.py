@@ -160,6 +160,9 @@ def _parse_scalar(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> 
         if "pattern" in meta and not re.match(meta["pattern"], value):
             hint = " (YAML read the unquoted value as a number: put it in quotes)" if was_number else ""
             raise lines.error(path, f"must be {meta['fmt']}; got {value!r}{hint}")
+        problem = meta["check"](value) if "check" in meta else None
+        if problem:
+            raise lines.error(path, problem)
         return value
     if "min" in meta and value < meta["min"]:
         raise lines.error(path, f"must be >= {meta['min']}, got {value}")

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 NAME_RE = r"^[A-Za-z0-9_.-]+$"
 TIME_RE = r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$"
-SIGNAL_RE = r"^(B:)?(SIG)?[A-Z0-9]+@\d+$"
+# The signals `sbatch --signal` takes by name (SLURM's sig_name2num list, checked against sbatch 22.05),
+# less KILL and STOP, which no process can catch: the job could never checkpoint on them.
+SLURM_SIGNALS = ("HUP", "INT", "QUIT", "ABRT", "ALRM", "TERM", "USR1", "USR2", "URG", "CONT", "TSTP", "TTIN",
+                 "TTOU", "XCPU")
+SIGNAL_RE = r"^(B:)?(SIG)?[A-Z0-9]+@\d+$"  # the shape; signal_problem() checks the name and the seconds
+SIGNAL_MAX_S = 65535  # SLURM keeps the lead time in 16 bits: sbatch refuses more
 MEM_RE = r"^\d+(\.\d+)?[KMGT]?$"
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
 SBATCH_OPT_RE = r"^[a-z][a-z0-9-]*$"
@@ -19,9 +24,28 @@ DEVICES_RE = r"^\d+(,\d+)*$"
 ENTRY_RE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
+def signal_problem(value: str) -> str | None:
+    """What is wrong with a `[B:][SIG]NAME@seconds` value that has the right shape, or None."""
+    name, _, seconds = value.removeprefix("B:").partition("@")
+    name = name.removeprefix("SIG")
+    if name in ("KILL", "STOP"):
+        return (f"{name} cannot be caught, so the job could never checkpoint on it; "
+                f"use one of {', '.join(SLURM_SIGNALS)} (e.g. USR2@120)")
+    if name not in SLURM_SIGNALS:
+        return (f"{name!r} is not a signal name sbatch --signal takes; use one of {', '.join(SLURM_SIGNALS)} "
+                "(with or without SIG, e.g. USR2@120)")
+    if int(seconds) > SIGNAL_MAX_S:
+        return f"{seconds} seconds is more than SLURM's limit of {SIGNAL_MAX_S} (the part after @)"
+    return None
+
+
 def meta(help: str, *, min: float | None = None, max: float | None = None, pattern: str | None = None,
-         key: str | None = None, fmt: str | None = None) -> dict[str, Any]:
-    """Field metadata read by the parser and the JSON Schema generator."""
+         key: str | None = None, fmt: str | None = None,
+         check: Callable[[str], str | None] | None = None) -> dict[str, Any]:
+    """Field metadata read by the parser and the JSON Schema generator.
+
+    `check` takes a string that matched `pattern` and returns what is wrong with it, or None.
+    """
     out: dict[str, Any] = {"help": help}
     if min is not None:
         out["min"] = min
@@ -32,6 +56,8 @@ def meta(help: str, *, min: float | None = None, max: float | None = None, patte
         out["fmt"] = fmt or pattern
     if key is not None:
         out["key"] = key
+    if check is not None:
+        out["check"] = check
     return out
 
 
@@ -75,7 +101,8 @@ class Slurm:
     constraint: Optional[str] = field(default=None, metadata=meta(
         "node features, e.g. a100|h100", pattern=r"^[A-Za-z0-9_.|&,\[\]*:()-]+$", fmt="a feature expression"))
     signal: str = field(default="USR2@120", metadata=meta(
-        "signal sent before the time limit or preemption kill", pattern=SIGNAL_RE, fmt="NAME@seconds, e.g. USR2@120"))
+        "signal sent before the time limit or preemption kill", pattern=SIGNAL_RE, check=signal_problem,
+        fmt="NAME@seconds, e.g. USR2@120"))
     requeue: bool = field(default=True, metadata=meta("let SLURM requeue the job (preemption)"))
     max_requeues: int = field(default=10, metadata=meta("most requeues after preemption/timeout", min=0))
     max_retries: int = field(default=0, metadata=meta("requeues after a crash (0: a crash ends the job)", min=0))
@@ -168,7 +195,8 @@ class Monitor:
 @dataclass(frozen=True)
 class Spec:
     name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
-    task: Literal["train", "infer", "command", "callable"] = field(default="train", metadata=meta("what runs"))
+    task: Literal["train", "infer", "command", "callable"] = field(default="train", metadata=meta(
+        "what runs (infer: not in this version; refused until the inference task lands)"))
     resources: Resources = field(default_factory=Resources, metadata=meta("what the job asks for"))
     slurm: Slurm = field(default_factory=Slurm, metadata=meta("SLURM options"))
     distributed: Distributed = field(default_factory=Distributed, metadata=meta("process group and strategy"))

@@ -156,7 +156,9 @@ ReturnToService=2
 JobRequeue=1
 PreemptMode=OFF
 KillWait=30
-MaxArraySize=1001
+# Small, so that the tests can submit a sweep larger than it with a handful of tasks (array
+# indices 0-3: a 5-point sweep splits into two arrays); SLURM's default is 1001.
+MaxArraySize=4
 NodeName=n1 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6821 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=16000 Gres=gpu:4 State=UNKNOWN
 NodeName=n2 NodeHostname=$HOST NodeAddr=127.0.0.1 Port=6822 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=16000 Gres=gpu:4 State=UNKNOWN
 PartitionName=gpu Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
@@ -299,6 +301,27 @@ do_start() {
     ensure_packages
     if all_running; then
         log "cluster already running (pids $(running_pids | tr '\n' ' '))"
+        # a cluster started by an older version of this script: bring its config up to date
+        AUTH="$(sed -n 's|^AuthType=auth/||p' "$DIR/etc/slurm.conf" 2>/dev/null)"
+        AUTH="${AUTH:-none}"
+        local old dpids
+        old="$(cat "$DIR/etc/slurm.conf" 2>/dev/null || true)"
+        write_config
+        if [[ "$(cat "$DIR/etc/slurm.conf")" != "$old" ]]; then
+            # a restart, not `scontrol reconfigure`: slurmctld 22.05 keeps some values (MaxArraySize)
+            # until it restarts; its saved state keeps the jobs, and slurmd keeps running them
+            log "slurm.conf changed since the cluster started: restarting slurmctld"
+            mapfile -t dpids < <(pid_alive "$(ctld_pidfile)" || true)
+            kill_and_wait "${dpids[@]}"
+            slurmctld -i -f "$DIR/etc/slurm.conf" 2>>"$DIR/log/slurmctld.err" || { print_logs; exit 1; }
+            local t
+            for t in $(seq 100); do scontrol ping >/dev/null 2>&1 && break; sleep 0.1; done
+            for t in $(seq $((WAIT_S * 2))); do  # both nodes up again (they may be running jobs)
+                [[ "$(node_states | grep -Ec '^n[12] (idle|mixed|allocated)$')" == 2 ]] && break
+                sleep 0.5
+            done
+            log "slurmctld back: $(node_states | tr '\n' ' ')"
+        fi
         return 0
     fi
     if [[ -n "$(running_pids)" || -f "$MUNGE_MARK" ]]; then

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_and_preempt import assert_same_weights, run_local
+from test_train_and_preempt import assert_same_weights, run_local, wait_settled
 
 pytestmark = pytest.mark.slurm
 
@@ -108,11 +108,32 @@ def test_cancel_a_job_for_good(slurm):
     slurm.wait_status(job, timeout=60, states={"RUNNING"})
     done = slurm.hpcgpu("cancel", job)
     assert done.stdout.strip() == f"cancelled {job}"
-    view, _ = slurm.wait_status(job, timeout=60)
-    time.sleep(3)  # the ranks took SIGTERM as a preemption: their requeue must not revive the job
-    info = slurm.job(job)
-    assert (view["state"], info["JobState"], info["Restarts"]) == ("CANCELLED", "CANCELLED", "0")
+    # the ranks take scancel's SIGTERM as a stop: once no process of the job is left, their
+    # requeue (refused: cancel turned the job's Requeue flag off) can no longer revive it
+    info = wait_settled(slurm, job, timeout=60)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), info
+    assert slurm.status(job)["state"] == "CANCELLED"
+    assert "not requeuing" in slurm.job_output(run_dir, job)  # rank 0 decided, and said so
     assert "ended" in slurm.hpcgpu("cancel", job).stdout
+
+
+def test_a_requeued_job_shows_requeued_while_it_waits(slurm):
+    """`scontrol requeue` of a running job: SLURM ends the run and queues it again (PENDING, Restarts=1,
+    held back by BeginTime); `hpcgpu status` says REQUEUED, with no nodes, until it runs again."""
+    spec = command_spec(slurm, ["sleep", "300"], name="again")
+    job, _, _ = slurm.submit(spec)
+    try:
+        slurm.wait_status(job, timeout=60, states={"RUNNING"})
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        slurm.wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "SLURM to queue the job again")
+        info = slurm.job(job)
+        view = slurm.status(job)
+        assert (view["state"], view["restarts"], view["nodes"]) == ("REQUEUED", 1, ""), (view, info)
+        assert info["Restarts"] == "1" and view["reason"] == info["Reason"] != "None", (view, info)
+        table = slurm.hpcgpu("status", job).stdout
+        assert "REQUEUED" in table, table
+    finally:
+        slurm.hpcgpu("cancel", job, check=False)
 
 
 SEED_TO_FILE = ("import os, re; d = os.environ['HPCGPU_RUN_DIR']; "

@@ -10,8 +10,16 @@ import torch
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.data import BatchSchedule, ByteTokenizer, eval_batches, load_blocks, load_tokenizer, read_texts
+from hpcgpu.spec.derive import batch_split
 
 NUM_BLOCKS, GLOBAL, SEED = 50, 8, 3  # 6 global batches per epoch, 2 blocks left over each epoch
+
+
+def schedule(seed: int, rank: int, world: int, micro: int, num_blocks: int = NUM_BLOCKS,
+             global_batch: int = GLOBAL) -> BatchSchedule:
+    """The schedule of one rank, split as the run plan splits it (spec/derive.py batch_split)."""
+    per_rank, _ = batch_split(global_batch, world, micro)
+    return BatchSchedule(num_blocks, seed, rank, global_batch=global_batch, per_rank=per_rank, micro=micro)
 
 
 def globals_of(schedule: BatchSchedule, steps: int) -> list[list[int]]:
@@ -21,7 +29,7 @@ def globals_of(schedule: BatchSchedule, steps: int) -> list[list[int]]:
 def union_of_ranks(world: int, micro: int, steps: int, seed: int = SEED,
                    state: dict | None = None) -> list[list[int]]:
     """Per step, the concatenation (rank order) of every rank's micro batches."""
-    schedules = [BatchSchedule(NUM_BLOCKS, GLOBAL, seed, rank, world, micro) for rank in range(world)]
+    schedules = [schedule(seed, rank, world, micro) for rank in range(world)]
     if state is not None:
         for s in schedules:
             s.load_state_dict(state)
@@ -40,12 +48,12 @@ def union_of_ranks(world: int, micro: int, steps: int, seed: int = SEED,
 @pytest.mark.parametrize("world,micro", [(1, 8), (1, 2), (2, 1), (2, 4), (4, 2), (4, 1)])
 def test_ranks_together_see_the_one_rank_global_batch(world: int, micro: int) -> None:
     steps = 14  # past two epoch boundaries
-    reference = globals_of(BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, GLOBAL), steps)
+    reference = globals_of(schedule(SEED, 0, 1, GLOBAL), steps)
     assert union_of_ranks(world, micro, steps) == reference
 
 
 def test_epochs_cover_the_data_without_repeats_and_roll_over() -> None:
-    batches = globals_of(BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, 2), 12)
+    batches = globals_of(schedule(SEED, 0, 1, 2), 12)
     epoch0 = [i for b in batches[:6] for i in b]
     epoch1 = [i for b in batches[6:] for i in b]
     for epoch in (epoch0, epoch1):
@@ -55,25 +63,25 @@ def test_epochs_cover_the_data_without_repeats_and_roll_over() -> None:
 
 
 def test_order_is_reproducible_and_depends_on_the_seed() -> None:
-    a = globals_of(BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, 2), 10)
-    b = globals_of(BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, 2), 10)
-    c = globals_of(BatchSchedule(NUM_BLOCKS, GLOBAL, SEED + 1, 0, 1, 2), 10)
+    a = globals_of(schedule(SEED, 0, 1, 2), 10)
+    b = globals_of(schedule(SEED, 0, 1, 2), 10)
+    c = globals_of(schedule(SEED + 1, 0, 1, 2), 10)
     assert a == b
     assert a != c
 
 
 def test_state_dict_resumes_the_same_sequence() -> None:
-    first = BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, 2)
+    first = schedule(SEED, 0, 1, 2)
     globals_of(first, 9)  # into the second epoch
     state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
     uninterrupted = globals_of(first, 8)
-    resumed = BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, 2)
+    resumed = schedule(SEED, 0, 1, 2)
     resumed.load_state_dict(state)
     assert globals_of(resumed, 8) == uninterrupted
 
 
 def test_resume_on_a_different_number_of_ranks_continues_the_same_batches() -> None:
-    one = BatchSchedule(NUM_BLOCKS, GLOBAL, SEED, 0, 1, 8)
+    one = schedule(SEED, 0, 1, 8)
     globals_of(one, 5)
     state = one.state_dict()
     assert union_of_ranks(4, 1, 6, state=state) == globals_of(one, 6)
@@ -81,7 +89,7 @@ def test_resume_on_a_different_number_of_ranks_continues_the_same_batches() -> N
 
 def test_fewer_sequences_than_one_global_batch_is_an_error() -> None:
     with pytest.raises(HpcgpuError, match="fewer than one global batch"):
-        BatchSchedule(5, 8, 0, 0, 1, 1)
+        schedule(0, 0, 1, 1, num_blocks=5, global_batch=8)
 
 
 def test_eval_batches_are_fixed_and_disjoint_across_ranks() -> None:

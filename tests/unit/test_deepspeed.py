@@ -125,14 +125,23 @@ def test_user_json_merges_and_a_conflict_is_one_clear_error(tmp_path):
     assert err and "16" in err[0] and "8" in err[0]
 
 
-def test_generated_config_follows_the_global_batch_rule():
-    import torch
+def bf16_plan(spec, world: int = 2):  # type: ignore[no-untyped-def]
+    """The run plan of `spec` on `world` CPU ranks, with bf16 autocast (as on a GPU that has it)."""
+    from dataclasses import replace
 
+    from hpcgpu.runtime.plan import plan_train
+
+    plan = plan_train(spec, world, device_type="cpu", gpu_memory=None, bf16_supported=False)
+    assert (plan.training.micro_batch, plan.training.accum) == (2, 2)
+    return replace(plan, precision="bf16")
+
+
+def test_generated_config_follows_the_global_batch_rule():
     from hpcgpu.runtime.deepspeed_strategy import generated_config, merged_config
     from hpcgpu.spec import spec_from_raw
 
     spec = spec_from_raw({**doc(Path("/tmp"), stage=3, offload=True), "runs_dir": "/tmp"})
-    cfg = generated_config(spec, world=2, micro=2, accum=2, amp_dtype=torch.bfloat16)
+    cfg = generated_config(spec, bf16_plan(spec))
     assert cfg["train_batch_size"] == 8 == spec.train.global_batch_size
     assert cfg["zero_optimization"]["stage"] == 3
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
@@ -144,8 +153,6 @@ def test_generated_config_follows_the_global_batch_rule():
 def test_auto_in_the_user_json_keeps_what_the_spec_derived(tmp_path):
     """"auto" is DeepSpeed's word for "fill it in": nested ones must not replace the spec's values
     (a literal "auto" stage would quietly become ZeRO-0)."""
-    import torch
-
     from hpcgpu.runtime.deepspeed_strategy import generated_config, merged_config
     from hpcgpu.spec import spec_from_raw
 
@@ -155,7 +162,7 @@ def test_auto_in_the_user_json_keeps_what_the_spec_derived(tmp_path):
     raw = doc(Path("/tmp"), stage=3)
     raw["distributed"]["deepspeed"]["config"] = str(user)
     spec = spec_from_raw({**raw, "runs_dir": "/tmp"})
-    cfg = generated_config(spec, world=2, micro=2, accum=2, amp_dtype=torch.bfloat16)
+    cfg = generated_config(spec, bf16_plan(spec))
     merged = merged_config(spec, cfg)
     assert merged["zero_optimization"]["stage"] == 3 and merged["zero_optimization"]["overlap_comm"] is False
     assert merged["bf16"]["enabled"] is True and merged["train_batch_size"] == 8

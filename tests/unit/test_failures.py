@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, submit, train_spec, write_spec_file
-from hpcgpu.launch.exitcodes import Failure, attempt_id, first_failure, record_failure
+from hpcgpu.contract import Failure, attempt_id, first_failure, record_failure
 
 EARLY_ENTRY = '''
 import os, signal

@@ -123,6 +123,22 @@ def test_estimate_json_and_unknown_gpu(tmp_path, no_driver):
     assert data["strategies"][0]["weights"] == 4 * 124_439_808
 
 
+def test_estimate_needs_no_training_data(tmp_path):
+    """Memory is the model, the batch and data.seq_len: estimate works before the data exists;
+    validate (and sbatch/submit) of the same train spec still ask for data.train."""
+    import yaml
+
+    spec = gpt2_spec(tmp_path, micro_batch_size=8)
+    doc = yaml.safe_load(spec.read_text())
+    doc["data"].pop("train")
+    spec.write_text(yaml.safe_dump(doc))
+    done = hpcgpu("estimate", str(spec), "--gpu-memory", "80G")
+    assert done.returncode == 0, done.stderr
+    assert "124.44M parameters" in done.stdout and "seq_len 1024" in done.stdout
+    done = hpcgpu("validate", str(spec))
+    assert done.returncode == 2 and "data.train: task: train needs a training text file" in done.stderr
+
+
 def test_estimate_errors_are_one_line(tmp_path):
     done = hpcgpu("estimate", str(gpt2_spec(tmp_path)), "--gpu-memory", "lots")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--gpu-memory" in done.stderr

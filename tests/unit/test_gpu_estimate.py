@@ -143,9 +143,9 @@ def test_nothing_fits_says_so():
 def test_fixed_settings_are_kept_and_checked():
     rec = recommend(gpt2_dims(), H100_TOTAL, world=2, global_batch=64, micro=4)
     assert (rec.micro_batch, rec.accum, rec.strategy) == (4, 8, "ddp")
-    with pytest.raises(HpcgpuError, match="micro_batch_size 5"):
+    with pytest.raises(HpcgpuError, match="micro_batch_size: 5"):
         recommend(gpt2_dims(), H100_TOTAL, world=2, global_batch=64, micro=5)
-    with pytest.raises(HpcgpuError, match="global_batch_size 10"):
+    with pytest.raises(HpcgpuError, match="global_batch_size: 10"):
         recommend(gpt2_dims(), H100_TOTAL, world=4, global_batch=10)
 
 
@@ -181,16 +181,25 @@ def spec_to_raw(spec):  # type: ignore[no-untyped-def]
     return spec_to_dict(spec)
 
 
-def test_apply_recommendation_fills_only_auto():
-    from hpcgpu.gpu.recommend import apply_recommendation
+def test_the_run_plan_fills_only_auto():
+    """The job's run plan takes auto's micro batch and strategy (with its ZeRO stage) from the
+    recommendation and keeps what the spec fixes; the spec itself is never rewritten."""
+    from hpcgpu.runtime.plan import plan_train
 
     base = {"name": "g", "task": "train", "model": {"config": LLAMA_7B}, "resources": {"gpus": 8},
             "data": {"train": str(EVAL_TEXT), "seq_len": 512}, "train": {"global_batch_size": 64}}
     spec = spec_from_raw(base)
+
+    def plan_of(s):  # type: ignore[no-untyped-def]
+        return plan_train(s, 8, device_type="cuda", gpu_memory=24 * GiB, bf16_supported=True,
+                          count_model=lambda: (None, LLAMA_7B)).training
+
     rec = recommend_for_job(spec, None, LLAMA_7B, 24 * GiB, 8)
-    tuned = apply_recommendation(spec, rec)
-    assert tuned.train.micro_batch_size == rec.micro_batch == 1 and tuned.distributed.strategy == "deepspeed"
-    assert tuned.distributed.deepspeed.zero_stage == 3 and not tuned.distributed.deepspeed.offload_optimizer
+    tuned = plan_of(spec)
+    assert tuned.micro_batch == rec.micro_batch == 1 and tuned.strategy == "deepspeed"
+    assert tuned.zero_stage == 3 and not tuned.offload_optimizer
+    assert spec.train.micro_batch_size == "auto" and spec.distributed.strategy == "auto"
     fixed = spec_from_raw({**base, "train": {"global_batch_size": 64, "micro_batch_size": 2},
                            "distributed": {"strategy": "ddp"}})
-    assert apply_recommendation(fixed, rec) == fixed
+    kept = plan_of(fixed)
+    assert (kept.micro_batch, kept.strategy, kept.zero_stage) == (2, "ddp", None)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, kill_leftovers, wait_for, write_spec_file
+from hpcgpu.launch.registry import Registry
 
 pytestmark = pytest.mark.slow
 
@@ -149,6 +150,12 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path):
     assert (rows["2"]["STATE"], rows["2"]["EXIT"]) == ("FAILED", "3")
     assert rows["3"]["STATE"] == "COMPLETED"
     assert "[line 2] bad: failed (exit 3)" in proc.stderr
+    # the job ids and run dirs the queue shows are the registry's records of those jobs
+    bad, good = (Registry().find(rows[n]["JOB"])[0] for n in ("2", "3"))
+    assert (bad.state, bad.exit_code, bad.run_dir, bad.gpus) == ("FAILED", 3, rows["2"]["RUN_DIR"], 1)
+    assert (good.state, good.run_dir) == ("COMPLETED", rows["3"]["RUN_DIR"])
+    assert f"[line 2] bad: started on GPU 0, job {bad.job_id}" in proc.stderr
+    assert f"; {bad.reason}" in proc.stderr and bad.reason.startswith("rank 0 on ")  # why, from the registry
 
 
 @pytest.mark.parametrize("line, message", [

@@ -170,6 +170,16 @@ BAD = [
     ("time-unquoted", COMMAND + "resources:\n  time: 10:00:00\n", "resources.time", ["put it in quotes"], "time"),
     ("signal-no-lead", COMMAND + "slurm:\n  signal: USR2\n", "slurm.signal", ["USR2@120"], "signal"),
     ("signal-bad-lead", COMMAND + "slurm:\n  signal: USR2@x\n", "slurm.signal", ["USR2@120"], "signal"),
+    # sbatch --signal would refuse these at submission; validate does now
+    ("signal-unknown-name", COMMAND + "slurm:\n  signal: NOTASIG@60\n", "slurm.signal",
+     ["'NOTASIG' is not a signal name sbatch --signal takes", "USR2"], "signal"),
+    ("signal-uncatchable", COMMAND + "slurm:\n  signal: B:SIGKILL@60\n", "slurm.signal",
+     ["KILL cannot be caught"], "signal"),
+    ("signal-lead-too-long", COMMAND + "slurm:\n  signal: USR2@65536\n", "slurm.signal",
+     ["65535"], "signal"),
+    ("signal-negative-lead", COMMAND + "slurm:\n  signal: USR2@-1\n", "slurm.signal", ["USR2@120"], "signal"),
+    ("infer-not-yet", "name: a\ntask: infer\nmodel: {name_or_path: gpt2}\n", "task",
+     ["infer is not in this version"], "task:"),
     ("mem-GB", COMMAND + "resources:\n  mem_per_gpu: 32GB\n", "resources.mem_per_gpu", ["32G"], "mem_per_gpu"),
     ("mem-word", COMMAND + "resources:\n  mem_per_gpu: lots\n", "resources.mem_per_gpu", ["32G"], "mem_per_gpu"),
     ("name-space", "name: my job\ntask: command\ncommand: [x]\n", "name", ["letters, digits"], "name:"),
@@ -223,6 +233,25 @@ def test_bad_spec_gives_one_clear_line(write_spec, text, key, words, line_text):
         assert f"{path}:{line_of(text, line_text)}:" in msg, msg
 
 
+@pytest.mark.parametrize("text, words", [
+    ("name: a\ntask: infer\nmodel: {name_or_path: gpt2}\n", "task: infer is not in this version"),
+    (COMMAND + "slurm: {signal: NOTASIG@60}\n", "slurm.signal: 'NOTASIG' is not a signal name"),
+], ids=["infer", "signal"])
+def test_refused_before_any_job_by_every_command(write_spec, tmp_path, text, words):
+    """What sbatch or the job would refuse only after the wait in the queue: one line, exit 2, nothing made."""
+    import os
+    import subprocess
+    import sys
+
+    path = write_spec(text + f"runs_dir: {tmp_path / 'runs'}\n")
+    env = {k: v for k, v in os.environ.items() if k != "HPCGPU_DEBUG"}
+    for args in (["validate"], ["sbatch"], ["submit", "--dry-run"], ["submit"], ["submit", "--executor", "local"]):
+        done = subprocess.run([sys.executable, "-m", "hpcgpu", args[0], str(path), *args[1:]], capture_output=True,
+                              text=True, env=env, timeout=60)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and words in done.stderr, (args, done.stderr)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_not_yaml_names_the_line(write_spec):
     text = "name: a\ntask: command\ncommand: [x\nenv: {A: b}\n"
     msg = load_error(write_spec(text))
@@ -257,7 +286,7 @@ def test_good_times(write_spec, time):
     assert load_spec(write_spec(COMMAND + f"resources: {{time: '{time}'}}\n")).resources.time == time
 
 
-@pytest.mark.parametrize("signal", ["USR2@120", "B:USR1@60", "SIGUSR1@30", "TERM@0"])
+@pytest.mark.parametrize("signal", ["USR2@120", "B:USR1@60", "SIGUSR1@30", "TERM@0", "B:SIGXCPU@65535", "HUP@5"])
 def test_good_signals(write_spec, signal):
     assert load_spec(write_spec(COMMAND + f"slurm: {{signal: '{signal}'}}\n")).slurm.signal == signal
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from hpcgpu.cli import cli
 from hpcgpu.launch import jobs as jobs_mod
-from hpcgpu.launch.exitcodes import Failure, record_failure
+from hpcgpu.contract import Failure, record_failure
 from hpcgpu.launch.jobs import first_failed_task, last_line, rank_error_line, tail_lines
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import JobInfo, format_duration, parse_sacct, parse_squeue

@@ -57,7 +57,7 @@ def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     except HpcgpuError as exc:
         message = short(str(exc))
         record(env, run_dir, exc.exit_code, message)
-        if first_to_report(run_dir, message):  # the same mistake in every rank: one line per job
+        if first_to_report(run_dir, message, env.rank):  # the same mistake in every rank: one line per job
             print(f"hpcgpu: error: {message}", file=sys.stderr, flush=True)
         return exc.exit_code  # the user's input is wrong: a retry would fail the same way
     except SystemExit as exc:
@@ -107,8 +107,13 @@ def record(env: DistEnv, run_dir: Path, code: int, message: str) -> None:
     record_failure(run_dir, Failure(attempt_id(), env.rank, node, code, message, time.time()))
 
 
-def first_to_report(run_dir: Path, message: str) -> bool:
+REPORT_DEFER_S = 0.5  # rank 0 (whose output the console shows) gets the first go
+
+
+def first_to_report(run_dir: Path, message: str, rank: int) -> bool:
     """True in the one rank (of this attempt) that reports this error; the others stay quiet."""
+    if rank != 0:
+        time.sleep(REPORT_DEFER_S)
     digest = hashlib.sha1(message.encode()).hexdigest()[:12]
     path = RunPaths(run_dir).failures / f"{attempt_id()}.reported-{digest}"
     try:

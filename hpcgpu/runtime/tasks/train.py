@@ -1,7 +1,9 @@
 """`task: train`: a Hugging Face causal LM, DDP on GPUs or CPU ranks, logged like nanoGPT.
 
 The global batch (sequences per optimizer step) is fixed by the spec; micro batch x accumulation x
-world size always equals it, so a 1-rank and a 2-rank run follow the same loss curve.
+world size always equals it, so a 1-rank and a 2-rank run follow the same loss curve. How it is split,
+the strategy, precision and compile are the run plan's (runtime/plan.py), settled once per start
+and reused on resume: everything here reads the plan.
 """
 from __future__ import annotations
 
@@ -25,52 +27,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpcgpu.contract import EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
-from hpcgpu.gpu.recommend import CPU_MICRO_MAX, compiled_step, divisors_upto
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
-from hpcgpu.runtime.dist import agreed_min, init_process_group
+from hpcgpu.runtime.dist import init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.plan import RunPlan, settle_plan, write_plan
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
 
 
-# ---------------------------------------------------------------- settings resolved for this job
+# ---------------------------------------------------------------- the run plan's dtypes
 
-def resolve_micro_batch(spec: Spec, world: int) -> int:
-    per_rank = spec.train.global_batch_size // world
-    mb = spec.train.micro_batch_size
-    if mb != "auto":
-        return int(mb)
-    # without a GPU estimate (auto_tune fills it in on a GPU): the same rule as recommend's
-    return max(divisors_upto(per_rank, CPU_MICRO_MAX))
-
-
-def resolve_precision(spec: Spec, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32."""
-    p = spec.train.precision
-    if p == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return None
-    if p in ("bf16", "fp16") and device.type == "cpu":
-        return torch.bfloat16 if p == "bf16" else None  # fp16 autocast on CPU is not useful
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[p]
-
-
-def resolve_compile(spec: Spec, device: torch.device) -> bool:
-    return compiled_step(spec, on_gpu=device.type == "cuda")  # the estimate must model the same step
-
-
-def resolve_strategy(spec: Spec, world: int) -> str:
-    s = spec.distributed.strategy
-    if s == "auto":
-        return "ddp" if world > 1 else "none"
-    if s == "ddp" and world == 1:
-        return "none"  # the same spec scaled down to one GPU: DDP would only add a gradient copy
-    if s == "none" and world > 1:
-        raise HpcgpuError(f"distributed.strategy: none cannot run {world} ranks; use ddp")
-    return s
+AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 # ---------------------------------------------------------------- data on the device
@@ -185,20 +154,20 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 class Trainer:
     """Owns model, optimizer, scheduler, data position, step and RNG; Stateful for checkpoints."""
 
-    def __init__(self, ctx: Context, spec: Spec):
-        self.ctx, self.spec = ctx, spec
+    def __init__(self, ctx: Context, spec: Spec, plan: RunPlan):
+        self.ctx, self.spec, self.plan = ctx, spec, plan
         t = spec.train
-        self.world = ctx.world_size
+        p = self.tp = plan.training
+        self.world = plan.world_size
         self.device = ctx.device
-        self.strategy = resolve_strategy(spec, self.world)
-        self.micro = resolve_micro_batch(spec, self.world)
-        self.accum = t.global_batch_size // self.world // self.micro
-        self.amp_dtype = resolve_precision(spec, self.device)
+        self.strategy = p.strategy
+        self.micro, self.accum = p.micro_batch, p.accum
+        self.amp_dtype = AMP_DTYPES[plan.precision]
         self.tokenizer = load_tokenizer(spec.model.name_or_path)
         self.train_blocks = load_blocks(spec.data.train or "", self.tokenizer, spec.data.seq_len)
         self.eval_blocks = load_blocks(spec.data.eval, self.tokenizer, spec.data.seq_len) if spec.data.eval else None
-        self.schedule = BatchSchedule(len(self.train_blocks), t.global_batch_size, t.seed, ctx.rank,
-                                      self.world, self.micro)
+        self.schedule = BatchSchedule(len(self.train_blocks), t.seed, ctx.rank, global_batch=p.global_batch,
+                                      per_rank=p.batch_per_rank, micro=p.micro_batch)
         self.ds = self._deepspeed_run()
         zero3 = self.ds is not None and self.ds.zero3
         on_gpu = self.device if self.device.type == "cuda" and not zero3 else None  # ZeRO-3 places it
@@ -226,20 +195,19 @@ class Trainer:
             return None
         from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun, generated_config, merged_config
 
-        config = merged_config(self.spec, generated_config(self.spec, self.world, self.micro, self.accum,
-                                                           self.amp_dtype))
+        config = merged_config(self.spec, generated_config(self.spec, self.plan))
         run = DeepSpeedRun(config)
         run.before_model()
         return run
 
     def _offloads(self) -> bool:
-        return self.ds is not None and self.spec.distributed.deepspeed.offload_optimizer
+        return self.ds is not None and self.tp.offload_optimizer
 
     def _wrap(self, model: torch.nn.Module) -> Any:
         """DeepSpeed engine, or (compiled) DDP; the raw model stays reachable for saving."""
         if self.ds is not None:
             return self.ds.initialize(model, self.optimizer, self.scheduler)
-        if resolve_compile(self.spec, self.device):
+        if self.tp.compile:
             model = torch.compile(model)  # type: ignore[assignment]
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -286,7 +254,7 @@ class Trainer:
         else:
             total = self._ddp_step(micro_batches)
         self.step += 1
-        self.tokens_seen += self.spec.train.global_batch_size * self.spec.data.seq_len
+        self.tokens_seen += self.tp.tokens_per_step
         return total
 
     def _ddp_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
@@ -428,7 +396,7 @@ class StepLog:
     def __init__(self, tr: Trainer, metrics: MetricsWriter, bar: Any):
         self.tr, self.metrics, self.bar = tr, metrics, bar
         self.peak = peak_flops_here(tr.device)
-        self.tokens_per_step = tr.spec.train.global_batch_size * tr.spec.data.seq_len
+        self.tokens_per_step = tr.tp.tokens_per_step
         self.last_step = tr.step
         self.last_time = time.perf_counter()
         self.excluded_s = 0.0
@@ -480,11 +448,10 @@ def progress(total: int, initial: int, enabled: bool) -> Any:
 
 
 def describe(tr: Trainer) -> str:
-    n = tr.n_params
-    amp = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[tr.amp_dtype]
+    n, p = tr.n_params, tr.tp
     return (f"model {n / 1e6:.2f}M params on {tr.device} x {tr.world} ({tr.strategy}); global batch "
-            f"{tr.spec.train.global_batch_size} = micro {tr.micro} x accum {tr.accum} x {tr.world} ranks; "
-            f"seq_len {tr.spec.data.seq_len}; {amp}; {len(tr.train_blocks)} train sequences")
+            f"{p.global_batch} = micro {p.micro_batch} x accum {p.accum} x {tr.world} ranks; "
+            f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences")
 
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
@@ -569,21 +536,24 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
 
 
-def auto_tune(ctx: Context, spec: Spec) -> Spec:
-    """train.micro_batch_size / distributed.strategy: auto, from the memory estimate for this GPU."""
-    if ctx.device.type != "cuda" or "auto" not in (spec.train.micro_batch_size, spec.distributed.strategy):
-        return spec  # on CPU the resolve_* rules above decide, as before
-    from hpcgpu.gpu.estimate import count_params
-    from hpcgpu.gpu.recommend import apply_recommendation, recommend_for_job
+def start_plan(ctx: Context, spec: Spec, paths: RunPaths) -> RunPlan:
+    """Settle the run plan (before the model is built: the strategy decides how it is built and
+    wrapped) and give a lone rank the group DeepSpeed needs, now that the plan chose it. A job of
+    several ranks has had its group since init(): the group starts exactly once either way."""
+    plan = settle_plan(ctx, spec, paths)
+    if plan.training.strategy == "deepspeed" and not ctx.env.distributed:
+        init_process_group(ctx.env, spec, ctx.device, alone=True)
+    ctx.plan = plan
+    ctx.checkpoint.plan_text = plan.to_json()  # beside spec.yaml in every checkpoint
+    return plan
 
-    n_params, config = count_params(spec)  # meta device: no weights
-    # the smallest card decides: ranks on mixed GPUs must pick the same micro batch and strategy
-    gpu_bytes = agreed_min(torch.cuda.get_device_properties(ctx.device).total_memory, ctx.device)
-    rec = recommend_for_job(spec, n_params, config, gpu_bytes, ctx.world_size)
-    (log.info if rec.fits else log.warning)(f"auto settings: {rec.summary()}; {rec.reason}")
-    spec = apply_recommendation(spec, rec)
-    init_process_group(ctx.env, spec, ctx.device)  # a lone rank tuned into DeepSpeed needs a group now
-    return spec
+
+def record_plan(ctx: Context, plan: RunPlan, paths: RunPaths) -> None:
+    """<run dir>/plan.json, by rank 0, before the first step; after a barrier, so that every rank has
+    read the recorded plan (or found none) before this one appears."""
+    ctx.barrier()
+    if ctx.is_main:
+        write_plan(paths.plan, plan)
 
 
 def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how: str) -> int:
@@ -605,18 +575,19 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
     from hpcgpu.runtime.requeue import mark_finished
 
     set_cpu_threads()
-    with init(spec, paths) as ctx:
+    with init(spec, paths, alone_group=False) as ctx:  # a lone rank's group waits for the plan
         if is_finished(ctx.run_dir):
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
         quiet_libraries(ctx)
-        spec = auto_tune(ctx, spec)
-        metrics = MetricsWriter(ctx.run_dir / "metrics.jsonl", enabled=ctx.is_main)
+        plan = start_plan(ctx, spec, paths)
+        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main)
         try:
-            tr = Trainer(ctx, spec)
+            tr = Trainer(ctx, spec, plan)
             log.info(describe(tr))
             resume(ctx, tr, metrics)
             tr.start_step = tr.step
+            record_plan(ctx, plan, paths)
             if ctx.should_stop():
                 # the signal came while the job was starting: its state is the checkpoint it resumed
                 # from (or nothing yet), so nothing is lost by leaving now

@@ -1,0 +1,281 @@
+"""The local executor's jobs: `hpcgpu submit --executor local`, and each job of `hpcgpu queue`.
+
+The local side's counterpart of submission.py (SLURM): check the chosen GPUs (a busy one is a
+warning, all of them busy a refusal unless --ignore-busy), choose the run dir (the unfinished run of
+the same spec is resumed; `fresh` starts a new one), lock it (runlock.py), register the job, run the
+ranks here (local.py) and record how they ended: state, exit code, GPU count and, for a failure,
+which rank failed first and why. The CLI only parses flags and prints.
+
+`hpcgpu queue` registers each of its jobs itself (`register`: run dir and registry record, so it
+knows the job id and run dir before anything runs), starts `python -m hpcgpu.launch.local_submit
+JOB_ID` with the GPUs it gave the job, and reads how the job ended back from the registry.
+Host side: no torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import IO, Callable, Mapping
+
+from hpcgpu.contract import EXIT_STOPPED
+from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.launch import runlock
+from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
+from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir
+from hpcgpu.launch.sweep import SweepTask, write_sweep
+from hpcgpu.spec import Spec
+
+Say = Callable[[str], None]
+Started = Callable[[JobRecord], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"hpcgpu: {message}", file=sys.stderr, flush=True)
+
+
+def _nothing(record: JobRecord) -> None:
+    pass
+
+
+# --- busy GPUs --------------------------------------------------------------------------------------
+
+def check_busy(spec: Spec, ignore_busy: bool = False, say: Say = _stderr,
+               environ: Mapping[str, str] | None = None) -> None:
+    """Warn about each GPU the ranks would get that someone else uses (why, its memory, its
+    processes); refuse (UsageError, exit 2) when every one of them is busy, unless ignore_busy.
+    Busy means above the spec's resources.busy. Nothing to check on the CPU or without NVML."""
+    from hpcgpu.gpu.busy import BusyThresholds, busy_detail, is_busy, select
+    from hpcgpu.gpu.source import default_source
+
+    env = os.environ if environ is None else environ
+    devices, visible = spec.resources.devices, env.get("CUDA_VISIBLE_DEVICES")
+    if not devices and visible is not None and not visible.strip():
+        return  # GPUs hidden on purpose: CPU ranks
+    source = default_source()
+    if not source.available():
+        return
+    readings = source.read(processes=True)
+    chosen, why = select(readings, devices, visible)
+    chosen = chosen[:spec.resources.gpus]  # the ranks get the first `gpus` of them
+    th = BusyThresholds.from_spec(spec.resources.busy)
+    busy = [r for r in chosen if is_busy(r, th)]
+    for r in busy:
+        say(f"warning: {busy_detail(r, th)}")
+    if not busy or len(busy) < len(chosen) or ignore_busy:
+        return
+    free = [str(r.index) for r in readings if not is_busy(r, th)]
+    ids = ",".join(str(r.index) for r in busy)
+    raise UsageError(f"every GPU chosen for {spec.name} is busy (GPU {ids}; {why}): choose free ones with "
+                     "resources.devices or CUDA_VISIBLE_DEVICES" + (f" (free here: {','.join(free)})" if free else "")
+                     + ", or add --ignore-busy to run on them anyway")
+
+
+# --- records and states ------------------------------------------------------------------------------
+
+def run_dirs_in_use(registry: Registry) -> Callable[[Path], bool]:
+    """Run dirs that a live local job writes to: a second executor must not resume into them.
+    Locked (any rank of a live job holds <run dir>/.lock, even after its launcher was killed), or
+    recorded as run by a live local executor (a job started before run dirs were locked, or one
+    `hpcgpu queue` registered whose executor has not taken the lock yet)."""
+    from hpcgpu.launch.jobs import executor_alive
+    from hpcgpu.launch.runlock import is_locked
+
+    def in_use(run_dir: Path) -> bool:
+        return is_locked(run_dir) or any(j.executor == "local" and j.state == "RUNNING" and executor_alive(j)
+                                         for j in registry.with_run_dir(str(run_dir)))
+
+    return in_use
+
+
+def local_gpu_count(spec: Spec, environ: Mapping[str, str] | None = None) -> int:
+    """GPUs the ranks get (0 on the CPU), for the GPU-hours `status` shows."""
+    from hpcgpu.launch.local import local_gpus
+
+    return min(len(local_gpus(spec, None if environ is None else dict(environ))), spec.resources.gpus)
+
+
+def new_record(spec: Spec, spec_ref: str, run_dir: Path, pid: int | None = None,
+               environ: Mapping[str, str] | None = None, state: str = "RUNNING") -> JobRecord:
+    """A local job's registry row; job_id "" -> the registry assigns local-<n> as it inserts it."""
+    from hpcgpu.launch.jobs import process_start
+
+    record = JobRecord("", spec.name, spec_ref, str(run_dir), "local", state=state, pid=pid,
+                       pid_start=process_start(pid) if pid else None)
+    record.gpus = local_gpu_count(spec, environ)
+    return record
+
+
+def local_state(registry: Registry, record: JobRecord, code: int) -> tuple[str, str]:
+    cancelled = registry.find(record.job_id)[0].cancel_requested
+    if code == 0:
+        return "COMPLETED", ""
+    if cancelled:
+        return "CANCELLED", "hpcgpu cancel"
+    if code == EXIT_STOPPED:
+        return "PREEMPTED", "stopped at a checkpoint; the same command resumes it"
+    return "FAILED", f"exit code {code}"
+
+
+def exit_code(record: JobRecord) -> int:
+    """The job's code: 0 finished, 75 stopped at a checkpoint, else the (first failed task's) code."""
+    if record.tasks:
+        return next((t.exit_code for t in record.tasks if t.exit_code), 0)
+    return record.exit_code or 0
+
+
+def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Path,
+                 task: TaskRecord | None = None, echo: IO[str] | None = None, say: Say = _stderr) -> int:
+    """Run the ranks here and record how they ended (the job's, or one sweep task's, state)."""
+    from hpcgpu.launch.jobs import explain_failures
+    from hpcgpu.launch.local import run_local
+
+    try:
+        code = run_local(spec, run_dir / "spec.yaml", run_dir, task.id if task else record.job_id,
+                         echo=sys.stdout if echo is None else echo, say=say)
+    except BaseException:
+        registry.update(record, state="FAILED", reason="the local executor failed", ended=time.time())
+        raise
+    state, reason = local_state(registry, record, code)
+    target = task or record
+    target.state, target.reason, target.exit_code = state, reason, code
+    if task is None or task is record.tasks[-1] or state == "CANCELLED":
+        record.state = state if task is None else _sweep_state(record)
+        record.ended = time.time()
+    explain_failures(record)  # which rank failed first, and its last error line, for status and the CLI
+    registry.save(record)
+    return code
+
+
+def _sweep_state(record: JobRecord) -> str:
+    from hpcgpu.launch.jobs import array_state
+
+    return array_state([t for t in record.tasks if t.state != "PENDING"] or record.tasks)
+
+
+# --- one job, here ----------------------------------------------------------------------------------
+
+def unfinished_run(spec: Spec, registry: Registry, fresh: bool = False) -> Path | None:
+    """The run dir to resume: the newest unfinished run of the identical spec (None: a new one);
+    RunDirLocked, one line, when a live job still writes it."""
+    run_dir = None if fresh else find_unfinished_run(spec)
+    if run_dir is not None and run_dirs_in_use(registry)(run_dir):
+        # the same command while the job (or ranks it left) still runs: never a second writer
+        raise runlock.RunDirLocked(run_dir)
+    return run_dir
+
+
+def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool = False, ignore_busy: bool = False,
+                 echo: IO[str] | None = None, say: Say = _stderr, started: Started = _nothing) -> JobRecord:
+    """Run `spec` here as one registered local job and return its record once the ranks have ended
+    (state, exit_code, failure). Resumes the unfinished run dir of the identical spec unless
+    `fresh`; RunDirLocked (one line) when a live job writes that dir; then the busy-GPU check
+    (check_busy), before anything is written. `started(record)` is called once the job is
+    registered, before the ranks start."""
+    run_dir = unfinished_run(spec, registry, fresh)  # first: a live run of this job uses our GPUs itself
+    check_busy(spec, ignore_busy, say)
+    with contextlib.ExitStack() as held:
+        if run_dir is not None:
+            held.enter_context(runlock.hold(run_dir))  # RunDirLocked if one took it just now
+            say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
+        else:
+            for attempt in range(3):
+                run_dir = make_run_dir(spec)
+                try:  # locked from here until the ranks have ended (the executor holds it too)
+                    held.enter_context(runlock.hold(run_dir))
+                    break
+                except runlock.RunDirLocked:  # a concurrent same-spec submit took our new dir
+                    if attempt == 2:
+                        raise
+        assert run_dir is not None
+        record = registry.add(new_record(spec, spec_ref, run_dir, pid=os.getpid()))
+        started(record)
+        run_recorded(registry, record, spec, run_dir, echo=echo, say=say)
+    return record
+
+
+def submit_local_sweep(spec: Spec, tasks: list[SweepTask], spec_ref: str, registry: Registry, *,
+                       ignore_busy: bool = False, echo: IO[str] | None = None, say: Say = _stderr,
+                       started: Started = _nothing) -> JobRecord:
+    """A sweep with the local executor: the tasks one after another, as one registered job with a
+    task per point; stops after a cancelled task. Returns the record once the last task ended."""
+    check_busy(spec, ignore_busy, say)
+    sweep = write_sweep(spec, tasks)
+    record = registry.add(new_record(spec, spec_ref, sweep.root, pid=os.getpid()))
+    record.tasks = [TaskRecord(f"{record.job_id}_{t.index}", str(d), t.values, gpus=record.gpus)
+                    for t, d in zip(tasks, sweep.run_dirs)]
+    registry.save(record)
+    started(record)
+    for task, run_dir, entry in zip(tasks, sweep.run_dirs, record.tasks):
+        say(f"task {entry.id}: {task.label()}")
+        run_recorded(registry, record, task.spec, run_dir, entry, echo=echo, say=say)
+        if entry.state == "CANCELLED":
+            break
+    return record
+
+
+# --- the jobs of `hpcgpu queue`: registered by the queue, run by a child -----------------------------
+
+def register(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool = False,
+             environ: Mapping[str, str] | None = None) -> tuple[JobRecord, bool]:
+    """Choose the run dir as submit_local does (resume, or new; RunDirLocked when a live job writes
+    the one to resume) and register the job (PENDING) for an executor started with `environ`;
+    returns (record, resumed). The caller starts the executor (`python -m hpcgpu.launch.local_submit
+    JOB_ID`) and records it with `executor_started` at once, so that no other submission takes the
+    run dir before the executor locks it."""
+    run_dir = unfinished_run(spec, registry, fresh)
+    resumed = run_dir is not None
+    if run_dir is None:
+        run_dir = make_run_dir(spec)
+    return registry.add(new_record(spec, spec_ref, run_dir, environ=environ, state="PENDING")), resumed
+
+
+def executor_started(registry: Registry, record: JobRecord, pid: int) -> None:
+    """The executor of a registered job runs as `pid`: `hpcgpu cancel` signals it, and the run dir
+    counts as in use from now on."""
+    from hpcgpu.launch.jobs import process_start
+
+    registry.update(record, pid=pid, pid_start=process_start(pid), state="RUNNING")
+
+
+def run_registered(registry: Registry, job_id: str, say: Say = _stderr) -> int:
+    """In the executor of a registered job: lock its run dir, run the ranks, record the end.
+    A job that cannot start (its run dir locked by another live job, a spec.yaml gone) is
+    recorded FAILED with that line as its reason, and the error raised."""
+    from hpcgpu.spec import load_spec
+
+    record, _ = registry.find(job_id)
+    run_dir = Path(record.run_dir)
+    try:
+        with runlock.hold(run_dir, record.job_id):
+            executor_started(registry, record, os.getpid())  # as the queue wrote it: this process
+            spec = load_spec(str(run_dir / "spec.yaml"))  # the resolved spec the ranks run, too
+            return run_recorded(registry, record, spec, run_dir, say=say)
+    except HpcgpuError as exc:
+        if record.state not in ("FAILED", "COMPLETED", "CANCELLED", "PREEMPTED"):
+            registry.update(record, state="FAILED", reason=str(exc), exit_code=exc.exit_code, ended=time.time())
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m hpcgpu.launch.local_submit JOB_ID`: run a job `hpcgpu queue` registered. Dies
+    with the queue (HPCGPU_PARENT_PID); exits with the job's code (2 when it could not start)."""
+    from hpcgpu.procs import die_with_parent
+
+    die_with_parent()  # first: a queue killed with SIGKILL takes this job and its ranks along
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        _stderr("error: usage: python -m hpcgpu.launch.local_submit JOB_ID (a job `hpcgpu queue` registered)")
+        sys.exit(2)
+    try:
+        code = run_registered(Registry(), args[0])
+    except HpcgpuError as exc:
+        _stderr(f"error: {exc}")
+        sys.exit(exc.exit_code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The run plan: every setting derived for this job, decided once, recorded, reused on resume.
+
+From (spec, the real world size, the device, the GPU memory agreed over the ranks) the job decides
+world size, batch per rank, micro batch, accumulation, strategy (and ZeRO stage and offload),
+precision, compile and loader workers, with the reason. Below the plan nothing re-derives them and
+nothing rewrites the spec: the trainer, the data schedule, the DeepSpeed config and the metrics read
+the plan only.
+
+The plan is written to `<run dir>/plan.json` (rank 0, atomically) before the first step and beside
+`spec.yaml` in every checkpoint. A resumed job reuses the recorded plan: a requeue onto other GPUs
+never switches DDP <-> DeepSpeed nor changes the micro batch. A recorded plan the new allocation
+cannot honour (another world size, a changed global batch) is one clear error naming both.
+
+Task-specific settings live in a sub-block (`train` here; the inference task adds its own), so the
+top level stays what every task shares. No torch at import time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.spec import Spec
+from hpcgpu.spec.derive import batch_split
+
+if TYPE_CHECKING:
+    from hpcgpu.runtime.context import Context
+
+log = logging.getLogger("hpcgpu")
+
+PLAN_VERSION = 1
+# ENV_GPU_MEMORY: this rank's GPU memory reading as a size (80G, 40GB, 81559M), in place of the
+# device's own: an override for a card that reports more than the job may use, and a test hook
+# (on CPU ranks too).
+PRECISIONS = ("bf16", "fp16", "fp32")  # the autocast dtype; fp32: no autocast
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What `task: train` decided: the batch split, the strategy and the step."""
+
+    global_batch: int
+    seq_len: int
+    batch_per_rank: int
+    micro_batch: int
+    accum: int
+    strategy: str  # none | ddp | deepspeed
+    zero_stage: int | None = None  # deepspeed only
+    offload_optimizer: bool = False  # deepspeed only
+    offload_params: bool = False  # deepspeed ZeRO-3 only
+    compile: bool = False  # torch.compile of the DDP step (DeepSpeed runs eager)
+    loader_workers: int = 0
+    bytes_per_gpu: int | None = None  # the memory estimate, where GPU memory was gone by
+    fits: bool | None = None  # None: not estimated
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def how(self) -> str:
+        """ddp | none | deepspeed ZeRO-3 offload optimizer."""
+        text = self.strategy
+        if self.strategy == "deepspeed":
+            text += f" ZeRO-{self.zero_stage}"
+            offload = [name for name, on in (("params", self.offload_params), ("optimizer", self.offload_optimizer))
+                       if on]
+            if offload:
+                text += f" offload {'+'.join(offload)}"
+        return text
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    task: str
+    world_size: int
+    precision: str  # bf16 | fp16 | fp32
+    reason: str  # why: for the log and for whoever reads plan.json later
+    gpu_memory: int | None = None  # the GPU memory reading it was decided from (smallest over ranks)
+    train: TrainPlan | None = None
+    version: int = PLAN_VERSION
+
+    @property
+    def training(self) -> TrainPlan:
+        if self.train is None:
+            raise HpcgpuError(f"the run plan is for task: {self.task}, not train")
+        return self.train
+
+    def summary(self) -> str:
+        parts = [f"{self.world_size} rank(s)", self.precision]
+        if self.train is not None:
+            t = self.train
+            parts = [t.how(), f"global batch {t.global_batch} = micro {t.micro_batch} x accum {t.accum} x "
+                     f"{self.world_size} rank(s)", self.precision, "compiled" if t.compile else "not compiled",
+                     f"{t.loader_workers} loader workers"]
+        return ", ".join(parts)
+
+    # -- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunPlan":
+        """The plan of a to_dict() mapping; keys this version does not know are left out."""
+        top = _known(cls, data, skip=("train",))
+        if int(top.get("version", 0)) > PLAN_VERSION:
+            raise ValueError(f"plan version {top['version']} is newer than this hpcgpu's ({PLAN_VERSION})")
+        train = data.get("train")
+        return cls(**top, train=TrainPlan(**_known(TrainPlan, train)) if train is not None else None)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunPlan":
+        return cls.from_dict(json.loads(text))
+
+
+def _known(kind: type, data: Mapping[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(kind)} - set(skip)
+    return {k: v for k, v in data.items() if k in names}
+
+
+# ---------------------------------------------------------------- deciding (pure)
+
+def resolve_precision(setting: str, device_type: str, bf16_supported: bool) -> str:
+    """train.precision -> the autocast dtype name: auto is bf16 where the GPU supports it, else fp32;
+    fp16 autocast on CPU is not useful (fp32)."""
+    if setting == "auto":
+        return "bf16" if device_type == "cuda" and bf16_supported else "fp32"
+    if setting == "fp16" and device_type != "cuda":
+        return "fp32"
+    return setting
+
+
+def fixed_strategy(spec: Spec, world: int) -> str | None:
+    """The strategy the spec fixes, in plan words for this world size; None for auto."""
+    s = spec.distributed.strategy
+    if s == "auto":
+        return None
+    if s == "none" and world > 1:
+        raise HpcgpuError(f"distributed.strategy: none cannot run {world} ranks; use ddp")
+    if s in ("ddp", "none"):
+        return "ddp" if world > 1 else "none"  # a ddp spec scaled down to one GPU: no gradient copy
+    return "deepspeed"
+
+
+def ranks_of_job(spec: Spec, world: int) -> str:
+    """Where the job's world size comes from, for the batch error: this job vs the spec's request."""
+    asked = spec.world_size
+    return f"world size of this job; the spec asks for {asked}" if asked != world else "world size of this job"
+
+
+def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | None, bf16_supported: bool,
+               count_model: Callable[[], tuple[int | None, Any]] | None = None) -> RunPlan:
+    """The plan of a fresh `task: train` job. gpu_memory: the smallest GPU's total bytes over the ranks
+    (None on CPU); with it, an `auto` micro batch or strategy comes from the memory estimate, for
+    which count_model() gives (parameter count, model config). Without it: the CPU rule."""
+    from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
+
+    t = spec.train
+    ranks = ranks_of_job(spec, world)
+    fixed = fixed_strategy(spec, world)
+    compiled = compiled_step(spec, on_gpu=device_type == "cuda")
+    auto = t.micro_batch_size == "auto" or fixed is None
+    if auto and gpu_memory is not None:
+        if count_model is None:
+            raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
+        n_params, config = count_model()
+        rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks)
+        reason = rec.reason
+    else:
+        rec = recommend_for_job(spec, None, None, None, world, ranks=ranks)  # checks the split too
+        reason = rec.reason if auto else "micro batch and strategy as the spec fixes them"
+    strategy = fixed or rec.strategy
+    per_rank, accum = batch_split(t.global_batch_size, world, rec.micro_batch, ranks=ranks)
+    ds = spec.distributed.deepspeed
+    if strategy != "deepspeed":
+        stage, off_opt, off_params = None, False, False
+    elif fixed:  # the spec's own DeepSpeed settings, as written
+        stage, off_opt, off_params = ds.zero_stage, ds.offload_optimizer, ds.offload_params
+    else:  # auto chose DeepSpeed: the stage and offload come with the choice
+        stage, off_opt, off_params = rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer"
+    estimated = auto and gpu_memory is not None
+    train = TrainPlan(
+        global_batch=t.global_batch_size, seq_len=spec.data.seq_len, batch_per_rank=per_rank,
+        micro_batch=rec.micro_batch, accum=accum, strategy=strategy, zero_stage=stage,
+        offload_optimizer=off_opt, offload_params=off_params, compile=compiled and strategy != "deepspeed",
+        loader_workers=rec.workers, bytes_per_gpu=rec.bytes_per_gpu if estimated else None,
+        fits=rec.fits if estimated else None)
+    return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
+                   reason=reason, gpu_memory=gpu_memory, train=train)
+
+
+def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
+    """A recorded plan can be reused by this job, or one clear error naming both sides."""
+    def refuse(what: str, recorded: Any, now: Any, fix: str) -> HpcgpuError:
+        return HpcgpuError(f"the recorded plan ({source}) has {what} {recorded} but {now}; the run must resume "
+                           f"as it started: {fix}, or start a fresh run (submit --new)")
+
+    if plan.task != spec.task:
+        raise refuse("task:", plan.task, f"the spec says task: {spec.task}", f"use task: {plan.task}")
+    if plan.world_size != world:
+        raise refuse("world size", plan.world_size, f"this job has {world} rank(s)",
+                     f"give it {plan.world_size} GPUs (resources.nodes x resources.gpus)")
+    if plan.train is None:
+        return
+    t = plan.train
+    if t.global_batch != spec.train.global_batch_size:
+        raise refuse("train.global_batch_size", t.global_batch,
+                     f"the spec now says {spec.train.global_batch_size}", f"set it back to {t.global_batch}")
+    if t.seq_len != spec.data.seq_len:
+        raise refuse("data.seq_len", t.seq_len, f"the spec now says {spec.data.seq_len}",
+                     f"set it back to {t.seq_len}")
+    mb = spec.train.micro_batch_size
+    if mb != "auto" and mb != t.micro_batch:
+        raise refuse("micro batch", t.micro_batch, f"the spec now fixes train.micro_batch_size: {mb}",
+                     f"use {t.micro_batch} or auto")
+    fixed = fixed_strategy(spec, world)
+    ds = spec.distributed.deepspeed
+    if fixed is not None and (fixed != t.strategy or fixed == "deepspeed" and (
+            ds.zero_stage, ds.offload_optimizer, ds.offload_params) != (t.zero_stage, t.offload_optimizer,
+                                                                       t.offload_params)):
+        now = fixed if fixed != "deepspeed" else (
+            f"deepspeed ZeRO-{ds.zero_stage}" + (" offload optimizer" if ds.offload_optimizer else "")
+            + (" offload params" if ds.offload_params else ""))
+        raise refuse("strategy", t.how(), f"the spec now fixes {now}", f"use distributed.strategy: auto or {t.how()}")
+
+
+# ---------------------------------------------------------------- files
+
+def read_plan(path: Path) -> RunPlan:
+    try:
+        return RunPlan.from_json(path.read_text())
+    except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+        raise HpcgpuError(f"{path}: not a readable run plan ({exc}); remove it to decide the plan afresh "
+                          "(only where no checkpoint depends on it)") from None
+
+
+def recorded_plan(paths: RunPaths) -> tuple[RunPlan, Path] | None:
+    """The plan this run recorded, if any: the newest complete checkpoint's (the state a resume loads
+    was trained under it), else `<run dir>/plan.json` (a start that stopped before its first save)."""
+    from hpcgpu.runtime.checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(paths.checkpoints)
+    for path in ([done[-1] / PLAN_FILE] if done else []) + [paths.plan]:
+        if path.is_file():
+            return read_plan(path), path
+    return None
+
+
+def write_plan(path: Path, plan: RunPlan) -> None:
+    """Atomically (a reader never sees half a plan); left alone when it holds this plan already."""
+    text = plan.to_json()
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- in the job
+
+def gpu_memory_reading(device: Any, environ: Mapping[str, str] | None = None) -> int | None:
+    """This rank's GPU memory in bytes: HPCGPU_GPU_MEMORY if set, else the device's total; None on CPU."""
+    env = os.environ if environ is None else environ
+    text = env.get(ENV_GPU_MEMORY)
+    if text:
+        from hpcgpu.gpu.estimate import parse_size
+
+        try:
+            return parse_size(text)
+        except HpcgpuError:
+            raise HpcgpuError(f"{ENV_GPU_MEMORY}={text!r} is not a size like 80G, 40GB or 81559M") from None
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def settle_plan(ctx: Context, spec: Spec, paths: RunPaths) -> RunPlan:
+    """The plan of this job, decided once: the recorded one on a resume (checked against this job),
+    else a fresh one. Every rank reads the same files and the agreed (smallest) GPU memory, so every
+    rank settles on the same plan. Collective where the GPU memory is agreed."""
+    recorded = recorded_plan(paths)
+    if recorded is not None:
+        plan, source = recorded
+        check_recorded(plan, source, spec, ctx.world_size)
+        log.info(f"reusing the recorded plan from {source}: {plan.summary()} (decided at the first start: "
+                 f"{plan.reason})")
+        return plan
+    if spec.task != "train":
+        raise HpcgpuError(f"task: {spec.task} has no run plan in this version")
+    import torch
+
+    from hpcgpu.runtime.dist import agreed_min
+
+    reading = gpu_memory_reading(ctx.device)
+    # the smallest card decides: ranks on mixed GPUs must choose the same micro batch and strategy
+    agreed = agreed_min(reading, ctx.device) if reading is not None else None
+    bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+    def count_model() -> tuple[int | None, Any]:
+        from hpcgpu.gpu.estimate import count_params
+
+        return count_params(spec)  # meta device: no weights
+
+    plan = plan_train(spec, ctx.world_size, device_type=ctx.device.type, gpu_memory=agreed, bf16_supported=bf16,
+                      count_model=count_model)
+    (log.warning if plan.training.fits is False else log.info)(f"run plan: {plan.summary()}; {plan.reason}")
+    return plan
