@@ -56,6 +56,21 @@ def test_two_gpu_nccl_training(tmp_path):
     assert (run_dir / "model" / "model.safetensors").exists()
 
 
+@two_gpus
+def test_auto_settings_are_decided_once_from_the_real_gpu_and_recorded(tmp_path):
+    spec = train_spec(2, steps=6)
+    spec["train"]["micro_batch_size"] = "auto"
+    spec["distributed"] = {"strategy": "auto"}
+    proc, run_dir = submit(spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert plan["world_size"] == 2 and plan["gpu_memory"] == total and plan["precision"] == "bf16"
+    t = plan["train"]
+    assert t["strategy"] == "ddp" and t["micro_batch"] * t["accum"] * 2 == 32 and t["fits"] is True
+    assert "run plan: ddp" in proc.stdout
+
+
 CALLABLE = '''
 import json, os, torch, torch.distributed as dist
 def main(ctx):
