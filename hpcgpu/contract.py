@@ -35,6 +35,12 @@ ENV_CHECKPOINT_DIR = "HPCGPU_CHECKPOINT_DIR"  # for a task: command program's ow
 ENV_JOB_START = "HPCGPU_JOB_START"  # epoch seconds the batch script started: timeout vs preemption
 ENV_PENDING_SIGNAL = "HPCGPU_PENDING_SIGNAL"  # a stop signal the batch script got before srun ran
 ENV_PARENT_PID = "HPCGPU_PARENT_PID"  # the local executor: a rank dies with this process
+ENV_SIGNAL_AT = "HPCGPU_SIGNAL_AT"  # drill: STEP[:RANK] sends that rank the stop signal at STEP
+ENV_KILL_IN_CHECKPOINT = "HPCGPU_KILL_IN_CHECKPOINT"  # drill: SIGKILL in the middle of that step's checkpoint
+# ... and the host side's
+ENV_REGISTRY = "HPCGPU_REGISTRY"  # the job registry's file
+ENV_NVML_RECORDED = "HPCGPU_NVML_RECORDED"  # recorded GPU readings in place of the driver's
+ENV_DEBUG = "HPCGPU_DEBUG"  # tracebacks for errors
 ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"  # a size (80G) that replaces each rank's GPU memory reading for the plan
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from hpcgpu import __version__
+from hpcgpu.contract import ENV_DEBUG
 from hpcgpu.errors import HpcgpuError
 
 # name -> (module:attribute, one-line help shown by `hpcgpu --help` without importing the module)
@@ -47,7 +48,7 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcgpu")
-@click.option("--debug", is_flag=True, envvar="HPCGPU_DEBUG", help="Show tracebacks for errors.")
+@click.option("--debug", is_flag=True, envvar=ENV_DEBUG, help="Show tracebacks for errors.")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
     """hpcgpu: one experiment spec, from a laptop to a SLURM GPU cluster.
@@ -63,7 +64,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 def main(argv: list[str] | None = None) -> Any:
     """Console entry point: the one place errors become a line on stderr and an exit code."""
     args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args or os.environ.get("HPCGPU_DEBUG", "") not in ("", "0")
+    debug = "--debug" in args or os.environ.get(ENV_DEBUG, "") not in ("", "0")
     try:
         rv = cli.main(args=args, prog_name="hpcgpu", standalone_mode=False)
     except click.exceptions.Abort:

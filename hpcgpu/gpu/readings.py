@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from hpcgpu.contract import ENV_NVML_RECORDED
 from hpcgpu.errors import HpcgpuError
 
-RECORDED_ENV = "HPCGPU_NVML_RECORDED"
+RECORDED_ENV = ENV_NVML_RECORDED
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
+from hpcgpu.contract import ENV_REGISTRY
 from hpcgpu.errors import HpcgpuError
 
 BUSY_TIMEOUT_MS = 60_000
@@ -88,7 +89,7 @@ def journal_mode_for(path: Path) -> str:
 
 
 def registry_path() -> Path:
-    explicit = os.environ.get("HPCGPU_REGISTRY")
+    explicit = os.environ.get(ENV_REGISTRY)
     return Path(explicit).expanduser() if explicit else default_registry_path()
 
 

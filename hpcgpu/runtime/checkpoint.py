@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from hpcgpu.contract import COMPLETE_MARKER, PLAN_FILE
+from hpcgpu.contract import COMPLETE_MARKER, ENV_KILL_IN_CHECKPOINT, PLAN_FILE
 
 log = logging.getLogger("hpcgpu")
 
@@ -349,7 +349,7 @@ def _first_line(exc: BaseException) -> str:
 def _kill_drill(step: int) -> None:
     """HPCGPU_KILL_IN_CHECKPOINT=STEP: SIGKILL this rank with the step's shards written but the
     checkpoint not yet complete, as a node failure mid-write would (a drill for tests and users)."""
-    if os.environ.get("HPCGPU_KILL_IN_CHECKPOINT") == str(step):
+    if os.environ.get(ENV_KILL_IN_CHECKPOINT) == str(step):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hpcgpu.contract import RunPaths
+from hpcgpu.contract import ENV_SPEC, RunPaths
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
 from hpcgpu.runtime.env import DistEnv
@@ -77,7 +77,7 @@ class Context:
 def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, Path | None]:
     if isinstance(spec, Spec):
         return spec, None
-    path = spec if spec is not None else os.environ.get("HPCGPU_SPEC")
+    path = spec if spec is not None else os.environ.get(ENV_SPEC)
     if not path:
         return None, None
     return load_spec(path), Path(path).resolve()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpcgpu.contract import EXIT_STOPPED, RunPaths, is_finished
+from hpcgpu.contract import ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import Context, init
@@ -361,7 +361,7 @@ def resume(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> bool:
 def inject_signal(ctx: Context, tr: Trainer) -> None:
     """Fault injection for tests and drills: HPCGPU_SIGNAL_AT="STEP[:RANK]" makes that rank send itself
     the spec's preemption signal when it reaches STEP, exactly as `scancel --signal` would."""
-    spec_at = os.environ.get("HPCGPU_SIGNAL_AT")
+    spec_at = os.environ.get(ENV_SIGNAL_AT)
     if not spec_at or ctx.spec is None:
         return
     at, _, rank = spec_at.partition(":")
