@@ -79,6 +79,15 @@ class RunPaths:
         return self.run_dir / "model"
 
     @property
+    def outputs(self) -> Path:
+        """task: infer: one row per input row, in input order (merged at the end)."""
+        return self.run_dir / "outputs.jsonl"
+
+    def replica_outputs(self, replica: int) -> Path:
+        """task: infer: what one replica wrote, appended batch by batch (resume reads it back)."""
+        return self.run_dir / "outputs" / f"replica-{replica}.jsonl"
+
+    @property
     def failures(self) -> Path:
         return self.run_dir / FAILURES_DIR
 

@@ -263,3 +263,105 @@ def fmt_bytes(n: int | float | None) -> str:
     if n == 0:
         return "0"
     return f"{n / GiB:.1f} GiB" if abs(n) >= GiB / 10 else f"{n / (1 << 20):.0f} MiB"
+
+
+# ---------------------------------------------------------------- inference (task: infer)
+#
+# One model copy (replica) on one GPU, per GPU:
+#   weights      Psi x bytes per parameter: float32 4, bfloat16/float16 2; int8 (bitsandbytes LLM.int8)
+#                1 and int4 (NF4, one fp32 absmax per 64 values) 0.5 + 4/64 for the linear layers, the
+#                embedding kept in 16 bits (bitsandbytes quantizes nn.Linear only)
+#   KV cache     2 (K, V) x layers x kv_heads x head_dim x c x batch x (prompt + max_new_tokens), in
+#                the compute dtype (c = 4 for float32 weights, else 2); none in score mode (one forward)
+#   activations  the largest transient of one layer in the prefill forward, b x s x (2 ffn + 4 h) x c,
+#                plus the logits: generate b x V x 4 x 2 (fp32 last-position logits and their softmax),
+#                score b x s x V x (c + 4 + 4) (logits, fp32 copy, log-softmax), plus the s x s
+#                attention scores where attention is eager
+# A model you can check by hand, not yet compared against a measurement on a GPU.
+
+INT4_BYTES = 0.5 + 4 / 64
+WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": INT4_BYTES}
+INFER_FORMATS = ("float32", "bfloat16", "int8", "int4")  # the rows `hpcgpu estimate` shows
+
+
+@dataclass(frozen=True)
+class InferDims:
+    n_params: int
+    n_layers: int
+    hidden: int
+    heads: int
+    kv_dim: int  # kv_heads x head_dim: the width of K (and of V) per token and layer
+    ffn: int
+    vocab: int
+    embed_params: int  # the input embedding (kept 16-bit under int8/int4)
+    context: int | None  # the longest sequence the model takes (n_positions, max_position_embeddings)
+    flash_attention: bool = True
+
+
+@dataclass(frozen=True)
+class InferEstimate:
+    weights_format: str
+    batch: int
+    prompt_tokens: int
+    new_tokens: int
+    weights: int
+    kv_cache: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+
+def infer_dims(cfg: Any, n_params: int | None = None) -> InferDims:
+    h, layers, heads, vocab, _ = _shape(cfg)
+    cfg = with_defaults(cfg)
+    total, _, embed = analytic_params(cfg)
+    head_dim = int(cfg_get(cfg, "head_dim", default=h // heads) or h // heads)
+    kv_heads = int(cfg_get(cfg, "num_key_value_heads", default=heads) or heads)
+    ffn = int(cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h)
+    context = cfg_get(cfg, "n_positions", "max_position_embeddings")
+    attn_impl = cfg_get(cfg, "_attn_implementation", "attn_implementation", default="sdpa")
+    return InferDims(n_params=int(n_params or total), n_layers=layers, hidden=h, heads=heads,
+                     kv_dim=kv_heads * head_dim, ffn=ffn, vocab=vocab, embed_params=embed,
+                     context=int(context) if context else None, flash_attention=attn_impl != "eager")
+
+
+def compute_bytes(weights_format: str) -> int:
+    return 4 if weights_format == "float32" else 2
+
+
+def weight_bytes(d: InferDims, weights_format: str) -> int:
+    per = WEIGHT_BYTES[weights_format]
+    if weights_format in ("int8", "int4"):
+        embed = min(d.embed_params, d.n_params)
+        return int(per * (d.n_params - embed) + 2 * embed)
+    return int(per * d.n_params)
+
+
+def infer_estimate(d: InferDims, weights_format: str, batch: int, prompt: int, new: int,
+                   mode: str = "generate") -> InferEstimate:
+    """Memory of one replica on one GPU for `batch` rows of `prompt` tokens (+ `new` generated)."""
+    c = compute_bytes(weights_format)
+    new = 0 if mode == "score" else new
+    kv = 0 if mode == "score" else 2 * d.n_layers * d.kv_dim * c * batch * (prompt + new)
+    layer = batch * prompt * (2 * d.ffn + 4 * d.hidden) * c
+    if not d.flash_attention:
+        layer += d.heads * prompt * prompt * batch * c
+    logits = batch * prompt * d.vocab * (c + 4 + 4) if mode == "score" else batch * d.vocab * 4 * 2
+    return InferEstimate(weights_format, batch, prompt, new, weight_bytes(d, weights_format), kv, layer + logits)
+
+
+def infer_max_batch(d: InferDims, weights_format: str, prompt: int, new: int, mode: str, gpu_total: int) -> int:
+    """The largest batch whose estimate fits on one GPU (0: not even one row). Linear in the batch."""
+    fixed = infer_estimate(d, weights_format, 0, prompt, new, mode).total
+    per_row = infer_estimate(d, weights_format, 1, prompt, new, mode).total - fixed
+    room = usable_bytes(gpu_total) - fixed
+    return max(0, room // per_row) if per_row else 0
+
+
+def spec_weights_format(spec: Spec) -> str:
+    """The weights as the job loads them on a GPU: quantization, else the dtype (auto: bfloat16)."""
+    if spec.model.quantization != "none":
+        return spec.model.quantization
+    return "bfloat16" if spec.model.dtype == "auto" else spec.model.dtype

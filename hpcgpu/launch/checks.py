@@ -2,7 +2,11 @@
 
 One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM and local):
 - the input files a spec names exist here and can be read (data.train, data.eval,
-  distributed.deepspeed.config, a local model.name_or_path; a hub id such as gpt2 is not a path);
+  distributed.deepspeed.config, a local model.name_or_path, infer.input; a hub id such as gpt2 is not
+  a path);
+- task: infer: every row of infer.input is valid (hpcgpu/infer_rows.py, the reader the job uses: the
+  first bad row as file:line; rows with "messages" need a tokenizer with a chat template), a local model
+  folder holds a config.json and a tokenizer, infer.max_memory is a size;
 - model.config.model_type is a model type the installed transformers knows. The list comes from
   transformers' config mapping, asked in a subprocess (it imports torch) and cached on disk per
   transformers version, so these commands never import transformers or torch themselves; without
@@ -23,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
-from hpcgpu.errors import SpecError
+from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.spec import Spec
 from hpcgpu.spec.load import export_drops, is_local_path
 
@@ -37,6 +41,8 @@ def input_paths(spec: Spec) -> list[tuple[str, str]]:
     out = [(key, value) for key, value in (
         ("data.train", spec.data.train), ("data.eval", spec.data.eval),
         ("distributed.deepspeed.config", spec.distributed.deepspeed.config)) if value]
+    if spec.task == "infer" and spec.infer.input:
+        out.append(("infer.input", spec.infer.input))
     name = spec.model.name_or_path
     if name and is_local_path(name, Path.cwd()):
         out.append(("model.name_or_path", name))
@@ -58,6 +64,8 @@ def input_problem(key: str, value: str) -> str | None:
         return f"{key}: {value} is a file; from_pretrained needs the model's folder"
     if key == "distributed.deepspeed.config" and is_dir:
         return f"{key}: {value} is a folder, not a JSON file"
+    if key == "infer.input" and is_dir:
+        return f"{key}: {value} is a folder, not a .jsonl or .txt file"
     if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
         return f"cannot read {key}: {value}: permission denied"
     return None
@@ -66,6 +74,77 @@ def input_problem(key: str, value: str) -> str | None:
 def input_problems(spec: Spec) -> list[str]:
     """Problems with the spec's input files, one line each ('file not found: data.train: /x/t.txt')."""
     return [p for p in (input_problem(key, value) for key, value in input_paths(spec)) if p]
+
+
+# --- task: infer ---------------------------------------------------------------------------------
+
+# what AutoTokenizer.from_pretrained can build a tokenizer from; hpcgpu_tokenizer.json marks the
+# byte-level tokenizer hpcgpu's trainer saves with a model trained without tokenizer files
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "hpcgpu_tokenizer.json")
+
+
+def infer_model_problem(spec: Spec) -> str | None:
+    """Why the infer task could not load a local model folder (that it exists was checked before)."""
+    name = spec.model.name_or_path
+    if spec.task != "infer" or not name or not is_local_path(name, Path.cwd()):
+        return None
+    folder = Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        return f"model.name_or_path: {name} has no config.json (not a folder save_pretrained() wrote)"
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return (f"model.name_or_path: {name} has no tokenizer (no tokenizer.json, tokenizer_config.json, "
+                "vocab files or hpcgpu_tokenizer.json); task: infer needs one: save it into the folder")
+    return None
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the tokenizer saved in `folder` has a chat template (where transformers saves one)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file() \
+            or (folder / "additional_chat_templates").is_dir():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def max_memory_problem(spec: Spec) -> str | None:
+    """infer.max_memory must be auto or a size the job can read (the job's own parser)."""
+    if spec.task != "infer" or spec.infer.max_memory == "auto":
+        return None
+    from hpcgpu.gpu.estimate import parse_size
+
+    try:
+        parse_size(spec.infer.max_memory)
+    except HpcgpuError:
+        return f"infer.max_memory: {spec.infer.max_memory!r} is not a size like 70GiB or auto"
+    return None
+
+
+def infer_input_problem(spec: Spec) -> str | None:
+    """The first bad row of infer.input as 'file:line: why', or None (the file was found before).
+    Rows with "messages" need a tokenizer with a chat template: the byte-level one (model.config, or a
+    model hpcgpu trained without tokenizer files) has none; a hub id's is not looked at here."""
+    if spec.task != "infer" or not spec.infer.input:
+        return None
+    from hpcgpu.infer_rows import read_rows
+
+    try:
+        rows = read_rows(spec.infer.input, spec.infer.mode)
+    except HpcgpuError as exc:
+        return str(exc)
+    chat = next((row for row in rows if row.messages is not None), None)
+    name = spec.model.name_or_path
+    if chat is None or (name and not is_local_path(name, Path.cwd())):
+        return None
+    folder = Path(name).expanduser() if name else None
+    if folder is not None and not (folder / "hpcgpu_tokenizer.json").is_file() and has_chat_template(folder):
+        return None
+    whose = f"the tokenizer in {name}" if folder is not None else "the byte-level tokenizer of model.config"
+    return (f"{spec.infer.input}:{chat.line}: \"messages\" need the tokenizer's chat template, and {whose} has "
+            "none; give a \"prompt\" instead")
 
 
 # --- model type -----------------------------------------------------------------------------------
@@ -204,6 +283,15 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
         problem = model_type_problem(one)
         if problem:
             raise SpecError("model.config.model_type", problem)
+        if one.task == "infer":
+            for key, check in ((f"model:{one.model.name_or_path}", infer_model_problem),
+                               (f"max_memory:{one.infer.max_memory}", max_memory_problem),
+                               (f"rows:{one.infer.mode}:{one.infer.input}", infer_input_problem)):
+                if ("infer", key) not in seen:  # a sweep's tasks share these: read the input once
+                    seen.add(("infer", key))
+                    problem = check(one)
+                    if problem:
+                        raise SpecError("", problem)
     for runs_dir in dict.fromkeys(one.runs_dir for one in specs):
         problem = runs_dir_problem(next(one for one in specs if one.runs_dir == runs_dir))
         if problem:

@@ -11,8 +11,13 @@ The plan is written to `<run dir>/plan.json` (rank 0, atomically) before the fir
 never switches DDP <-> DeepSpeed nor changes the micro batch. A recorded plan the new allocation
 cannot honour (another world size, a changed global batch) is one clear error naming both.
 
-Task-specific settings live in a sub-block (`train` here; the inference task adds its own), so the
-top level stays what every task shares. No torch at import time.
+Task-specific settings live in a sub-block (`train`, `infer`), so the top level stays what every task
+shares. No torch at import time.
+
+`task: infer` decides its replicas (one per rank in this version: one GPU per model copy), the batch
+(rows per forward; auto: 8 on CPU, on a GPU from the memory left beside the weights) and the weights'
+dtype once; a resume reuses them, so the batches (and with them every output) stay what they were.
+Only the replica count may change on a resume (another allocation): the batches do not depend on it.
 """
 from __future__ import annotations
 
@@ -76,6 +81,32 @@ class TrainPlan:
 
 
 @dataclass(frozen=True)
+class InferPlan:
+    """What `task: infer` decided: replicas, the batch and what the rows are run with."""
+
+    mode: str  # generate | score
+    replicas: int  # data-parallel model copies: one per rank
+    gpus_per_replica: int  # 1 in this version (0 on CPU ranks)
+    batch_size: int  # rows per forward; the batches are the same whatever the replica count
+    rows: int
+    batches: int
+    max_tokens: int  # the longest row in tokens (prompt + max_new_tokens; score: the text)
+    max_new_tokens: int | None = None  # generate only
+    sampling: bool = False  # generate: temperature > 0 (else greedy)
+    input_digest: str = ""  # sha256 of the input file: a resume refuses an input that changed since
+    bytes_per_row: int | None = None  # the memory estimate of one row, where GPU memory was gone by
+    budget_bytes: int | None = None  # the memory the batch was fitted into (smallest over the replicas)
+    fits: bool | None = None  # False: not even one row fits the budget (the batch is 1 anyway)
+
+    def how(self) -> str:
+        what = self.mode if self.mode == "score" else (
+            f"generate ({'sampling' if self.sampling else 'greedy'}, max_new_tokens {self.max_new_tokens})")
+        gpus = f" x {self.gpus_per_replica} GPU" if self.gpus_per_replica else " on CPU"
+        return (f"{what}, {self.replicas} replica(s){gpus}, batch {self.batch_size}: {self.rows} rows in "
+                f"{self.batches} batches")
+
+
+@dataclass(frozen=True)
 class RunPlan:
     task: str
     world_size: int
@@ -83,6 +114,7 @@ class RunPlan:
     reason: str  # why: for the log and for whoever reads plan.json later
     gpu_memory: int | None = None  # the GPU memory reading it was decided from (smallest over ranks)
     train: TrainPlan | None = None
+    infer: InferPlan | None = None
     version: int = PLAN_VERSION
 
     @property
@@ -91,6 +123,12 @@ class RunPlan:
             raise HpcgpuError(f"the run plan is for task: {self.task}, not train")
         return self.train
 
+    @property
+    def inference(self) -> InferPlan:
+        if self.infer is None:
+            raise HpcgpuError(f"the run plan is for task: {self.task}, not infer")
+        return self.infer
+
     def summary(self) -> str:
         parts = [f"{self.world_size} rank(s)", self.precision]
         if self.train is not None:
@@ -98,6 +136,8 @@ class RunPlan:
             parts = [t.how(), f"global batch {t.global_batch} = micro {t.micro_batch} x accum {t.accum} x "
                      f"{self.world_size} rank(s)", self.precision, "compiled" if t.compile else "not compiled",
                      f"{t.loader_workers} loader workers"]
+        if self.infer is not None:
+            parts = [self.infer.how(), self.precision]
         return ", ".join(parts)
 
     # -- JSON
@@ -110,11 +150,12 @@ class RunPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RunPlan":
         """The plan of a to_dict() mapping; keys this version does not know are left out."""
-        top = _known(cls, data, skip=("train",))
+        top = _known(cls, data, skip=("train", "infer"))
         if int(top.get("version", 0)) > PLAN_VERSION:
             raise ValueError(f"plan version {top['version']} is newer than this hpcgpu's ({PLAN_VERSION})")
-        train = data.get("train")
-        return cls(**top, train=TrainPlan(**_known(TrainPlan, train)) if train is not None else None)
+        train, infer = data.get("train"), data.get("infer")
+        return cls(**top, train=TrainPlan(**_known(TrainPlan, train)) if train is not None else None,
+                   infer=InferPlan(**_known(InferPlan, infer)) if infer is not None else None)
 
     @classmethod
     def from_json(cls, text: str) -> "RunPlan":
@@ -207,6 +248,9 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
 
     if plan.task != spec.task:
         raise refuse("task:", plan.task, f"the spec says task: {spec.task}", f"use task: {plan.task}")
+    if plan.infer is not None:  # the replica count may change: the batches do not depend on it
+        _check_recorded_infer(plan.infer, spec, refuse)
+        return
     if plan.world_size != world:
         raise refuse("world size", plan.world_size, f"this job has {world} rank(s)",
                      f"give it {plan.world_size} GPUs (resources.nodes x resources.gpus)")
@@ -232,6 +276,107 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
             f"deepspeed ZeRO-{ds.zero_stage}" + (" offload optimizer" if ds.offload_optimizer else "")
             + (" offload params" if ds.offload_params else ""))
         raise refuse("strategy", t.how(), f"the spec now fixes {now}", f"use distributed.strategy: auto or {t.how()}")
+
+
+# ---------------------------------------------------------------- task: infer (pure)
+
+INFER_CPU_BATCH = 8  # rows a batch on CPU ranks (batch_size: auto)
+INFER_BATCH_CAP = {"generate": 256, "score": 64}  # the most rows a batch batch_size: auto gives on a GPU
+INFER_MIN_BATCHES = 16  # auto: batches small enough for this many (or rows / 8): up to 16 replicas all get work
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def infer_precision(model_dtype: str, device_type: str, bf16_supported: bool) -> str:
+    """model.dtype -> the weights' dtype as plan words: auto is bf16 on a GPU that supports it, else fp32."""
+    if model_dtype == "auto":
+        return "bf16" if device_type == "cuda" and bf16_supported else "fp32"
+    return PRECISION_OF_DTYPE[model_dtype]
+
+
+def infer_row_bytes(mode: str, *, layers: int, kv_heads: int, head_dim: int, hidden: int, vocab: int,
+                    max_tokens: int, dtype_bytes: int) -> int:
+    """GPU memory one row of a batch needs beside the weights, roughly: generate, its KV cache at the
+    longest length plus the prefill's activations and the last position's logits (fp32); score, the
+    activations and the logits of every position (in the weights' dtype, then fp32 log-probabilities)."""
+    activations = max_tokens * hidden * 16 * dtype_bytes  # attention and MLP intermediates of one layer
+    if mode == "score":
+        return activations + max_tokens * vocab * (dtype_bytes + 8)
+    kv_cache = 2 * layers * kv_heads * head_dim * max_tokens * dtype_bytes
+    return kv_cache + activations + vocab * 16
+
+
+def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows: int, max_tokens: int,
+               input_digest: str = "", budget_bytes: int | None = None,
+               bytes_per_row: int | None = None) -> RunPlan:
+    """The plan of a fresh `task: infer` job. budget_bytes: the GPU memory the rows of a batch may use
+    (the smallest over the replicas; None on CPU), bytes_per_row: one row's share (infer_row_bytes).
+
+    batch_size: auto is 8 on CPU; on a GPU the largest power of two that fits the budget (a power of
+    two: GPUs of one kind whose free memory differs by a few MB choose the same), at most
+    INFER_BATCH_CAP, and small enough to make INFER_MIN_BATCHES batches where that leaves 8 rows or
+    more a batch (so that many replicas all get rows, and a stop comes soon). The batch never
+    depends on the replica count: the outputs do not either."""
+    from hpcgpu.gpu.estimate import fmt_bytes
+
+    inf = spec.infer
+    mode = inf.mode
+    cap = INFER_BATCH_CAP[mode]
+    fits = None
+    if inf.batch_size != "auto":
+        batch, reason = int(inf.batch_size), "batch size as the spec fixes it"
+    elif budget_bytes is None or not bytes_per_row:
+        batch, reason = INFER_CPU_BATCH, f"no GPU memory reading: {INFER_CPU_BATCH} rows a batch"
+    else:
+        fit = max(0, budget_bytes) // bytes_per_row
+        fits = fit >= 1
+        spread = max(INFER_CPU_BATCH, _pow2_floor(-(-rows // INFER_MIN_BATCHES)))
+        batch = max(1, min(cap, spread, _pow2_floor(fit)))
+        limit = f"at most {cap}" if spread >= cap else \
+            f"at most {spread} for {INFER_MIN_BATCHES} batches of the {rows} rows"
+        reason = (f"{fmt_bytes(budget_bytes)} free beside the weights, about {fmt_bytes(bytes_per_row)} a row "
+                  f"({max_tokens} tokens at most): {batch} rows a batch (the largest power of two that fits, "
+                  f"{limit})")
+        if not fits:
+            reason = (f"not even one row of {max_tokens} tokens fits the {fmt_bytes(budget_bytes)} free beside the "
+                      f"weights (about {fmt_bytes(bytes_per_row)} a row): 1 row a batch; it may run out of memory")
+    batches = -(-rows // batch)
+    on_gpu = device_type == "cuda"
+    infer = InferPlan(mode=mode, replicas=world, gpus_per_replica=1 if on_gpu else 0, batch_size=batch, rows=rows,
+                      batches=batches, max_tokens=max_tokens,
+                      max_new_tokens=inf.max_new_tokens if mode == "generate" else None,
+                      sampling=mode == "generate" and inf.temperature > 0, input_digest=input_digest,
+                      bytes_per_row=bytes_per_row if budget_bytes is not None else None,
+                      budget_bytes=budget_bytes, fits=fits)
+    return RunPlan(task="infer", world_size=world, precision=precision, reason=reason, gpu_memory=budget_bytes,
+                   infer=infer)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _check_recorded_infer(p: InferPlan, spec: Spec, refuse: Callable[..., HpcgpuError]) -> None:
+    inf = spec.infer
+    if p.mode != inf.mode:
+        raise refuse("infer.mode", p.mode, f"the spec now says {inf.mode}", f"set it back to {p.mode}")
+    if inf.batch_size != "auto" and inf.batch_size != p.batch_size:
+        raise refuse("batch size", p.batch_size, f"the spec now fixes infer.batch_size: {inf.batch_size}",
+                     f"use {p.batch_size} or auto")
+    if p.mode == "generate" and p.max_new_tokens != inf.max_new_tokens:
+        raise refuse("infer.max_new_tokens", p.max_new_tokens, f"the spec now says {inf.max_new_tokens}",
+                     f"set it back to {p.max_new_tokens}")
+    if p.mode == "generate" and p.sampling != (inf.temperature > 0):
+        was, now = ("sampling", "greedy") if p.sampling else ("greedy", "sampling")
+        raise refuse("generation", was, f"the spec's infer.temperature now asks for {now}",
+                     "set infer.temperature back")
+
+
+def with_replicas(plan: RunPlan, world: int) -> RunPlan:
+    """A recorded infer plan for a job of `world` replicas: only the replica count changes."""
+    if plan.infer is None or plan.world_size == world:
+        return plan
+    return dataclasses.replace(plan, world_size=world, infer=dataclasses.replace(plan.infer, replicas=world))
 
 
 # ---------------------------------------------------------------- files
@@ -300,7 +445,7 @@ def settle_plan(ctx: Context, spec: Spec, paths: RunPaths) -> RunPlan:
         log.info(f"reusing the recorded plan from {source}: {plan.summary()} (decided at the first start: "
                  f"{plan.reason})")
         return plan
-    if spec.task != "train":
+    if spec.task != "train":  # task: infer settles its own (runtime/tasks/infer.py: it needs the model first)
         raise HpcgpuError(f"task: {spec.task} has no run plan in this version")
     import torch
 

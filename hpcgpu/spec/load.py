@@ -176,8 +176,9 @@ def resolve_paths(spec: Spec, base: Path) -> Spec:
     model = dataclasses.replace(spec.model, name_or_path=name_or_path)
     ds = dataclasses.replace(spec.distributed.deepspeed, config=absolute(spec.distributed.deepspeed.config))
     dist = dataclasses.replace(spec.distributed, deepspeed=ds)
+    infer = dataclasses.replace(spec.infer, input=absolute(spec.infer.input))
     runs_dir = str(Path(spec.runs_dir).expanduser().resolve())
-    return dataclasses.replace(spec, data=data, model=model, distributed=dist, runs_dir=runs_dir)
+    return dataclasses.replace(spec, data=data, model=model, distributed=dist, infer=infer, runs_dir=runs_dir)
 
 
 def is_local_path(name_or_path: str, base: Path | None = None) -> bool:
@@ -220,9 +221,7 @@ def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[st
 def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     """Checks that span several keys."""
     if spec.task == "infer":
-        # in the schema already (the inference issue fills it in), refused until then: else it would pass
-        # validate and fail only inside the job, after its wait in the queue
-        raise lines.error("task", "infer is not in this version of hpcgpu; use train, command or callable")
+        _check_infer(spec, lines, need_data=need_data)
     if spec.task == "train":
         if not (spec.model.name_or_path or spec.model.config):
             raise lines.error("model", "task: train needs model.name_or_path or model.config")
@@ -260,6 +259,20 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
             raise lines.error(f"slurm.extra.{opt}", "must be one line without control characters")
     _check_batch(spec, lines)
     _check_sweep(spec, lines)
+
+
+def _check_infer(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
+    """task: infer, as far as this version goes: one GPU per model copy, no quantization."""
+    if not (spec.model.name_or_path or spec.model.config):
+        raise lines.error("model", "task: infer needs model.name_or_path (a local model dir) or model.config")
+    if need_data and not spec.infer.input:
+        raise lines.error("infer.input", "task: infer needs an input file (.jsonl or .txt)")
+    if spec.infer.gpus_per_replica not in ("auto", 1):
+        raise lines.error("infer.gpus_per_replica", "a model spread over several GPUs is not in this version "
+                          "of hpcgpu yet; use 1 (one model copy per GPU)")
+    if spec.model.quantization != "none":
+        raise lines.error("model.quantization", "int8/int4 weights are not in this version of hpcgpu yet; "
+                          "use none")
 
 
 def _check_batch(spec: Spec, lines: LineMap) -> None:

@@ -149,6 +149,8 @@ class Model:
         "a transformers config as a mapping with model_type; weights are randomly initialised"))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=meta(
         "dtype of the weights as loaded"))
+    quantization: Literal["none", "int8", "int4"] = field(default="none", metadata=meta(
+        "weights quantized at load (task: infer; bitsandbytes); this version: none"))
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,29 @@ class Train:
 
 
 @dataclass(frozen=True)
+class Infer:
+    input: Optional[str] = field(default=None, metadata=meta(
+        ".jsonl with one object a line ({\"id\", \"prompt\"} or {\"id\", \"messages\"}; score: "
+        "{\"id\", \"text\"}), or .txt with one prompt a line (id = line number)"))
+    mode: Literal["generate", "score"] = field(default="generate", metadata=meta(
+        "generate: completions; score: log-likelihood and perplexity of each row's text"))
+    max_new_tokens: int = field(default=256, metadata=meta("tokens generated per row at most", min=1))
+    temperature: float = field(default=0.0, metadata=meta("0: greedy; above 0: sampling", min=0))
+    top_p: float = field(default=1.0, metadata=meta("nucleus sampling (temperature > 0)", min=0, max=1))
+    top_k: int = field(default=0, metadata=meta("top-k sampling (temperature > 0); 0: off", min=0))
+    seed: int = field(default=0, metadata=meta("seed of sampling (each row's draw depends on it and the row)",
+                                               min=0))
+    stop: list[str] = field(default_factory=list, metadata=meta(
+        "strings that end a completion (cut before them)"))
+    batch_size: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
+        "rows per forward pass; auto: 8 on CPU, from free memory on a GPU", min=1))
+    gpus_per_replica: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
+        "GPUs one model copy spans; this version: 1 (auto)", min=1))
+    max_memory: str = field(default="auto", metadata=meta(
+        "per-GPU memory cap for the weights (\"70GiB\"); auto: free memory less headroom"))
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     every_steps: Optional[int] = field(default=None, metadata=meta("save every N steps", min=1))
     every_minutes: Optional[float] = field(default=None, metadata=meta("save every M minutes", min=0))
@@ -196,13 +221,14 @@ class Monitor:
 class Spec:
     name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
     task: Literal["train", "infer", "command", "callable"] = field(default="train", metadata=meta(
-        "what runs (infer: not in this version; refused until the inference task lands)"))
+        "what runs: train, infer (batch generation or scoring), command (your program), callable"))
     resources: Resources = field(default_factory=Resources, metadata=meta("what the job asks for"))
     slurm: Slurm = field(default_factory=Slurm, metadata=meta("SLURM options"))
     distributed: Distributed = field(default_factory=Distributed, metadata=meta("process group and strategy"))
     model: Model = field(default_factory=Model, metadata=meta("the model (task: train | infer)"))
     data: Data = field(default_factory=Data, metadata=meta("the data (task: train)"))
     train: Train = field(default_factory=Train, metadata=meta("the training loop (task: train)"))
+    infer: Infer = field(default_factory=Infer, metadata=meta("batch inference (task: infer)"))
     checkpoint: Checkpoint = field(default_factory=Checkpoint, metadata=meta("checkpoints and resume"))
     monitor: Monitor = field(default_factory=Monitor, metadata=meta("GPU sampling inside the job (gpu.jsonl)"))
     command: Optional[list[str]] = field(default=None, metadata=meta(

@@ -143,7 +143,80 @@ def test_estimate_errors_are_one_line(tmp_path):
     done = hpcgpu("estimate", str(gpt2_spec(tmp_path)), "--gpu-memory", "lots")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--gpu-memory" in done.stderr
     done = hpcgpu("estimate", "configs/hello-command.yaml")
-    assert done.returncode == 2 and "task: train" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "task: train or infer" in done.stderr and "Traceback" not in done.stderr
+
+
+# --- estimate for task: infer ---------------------------------------------------------------------
+
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 8192, "tie_word_embeddings": False}
+
+
+def infer_spec(tmp_path: Path, model: dict, **infer) -> Path:  # type: ignore[no-untyped-def]
+    import yaml
+
+    path = tmp_path / "infer.yaml"
+    path.write_text(yaml.safe_dump({"name": "inf", "task": "infer", "resources": {"gpus": 4}, "model": model,
+                                    "infer": {"input": str(REPO / "configs" / "data" / "prompts.jsonl"), **infer}}))
+    return path
+
+
+def test_estimate_infer_llama_8b_by_hand(tmp_path):
+    """The numbers anyone can check: weights 2 bytes a parameter in bf16, the KV cache of GQA's 8 KV heads."""
+    spec = infer_spec(tmp_path, {"config": LLAMA_8B}, max_new_tokens=256, batch_size=8)
+    data = json.loads(hpcgpu("estimate", str(spec), "--json", "--gpu-memory", "80G", "--prompt-tokens",
+                             "2048").stdout)
+    params = data["params"]
+    assert params == 8_030_261_248  # Llama-3-8B's count
+    rows = {r["weights_format"]: r for r in data["formats"]}
+    assert list(rows) == ["float32", "bfloat16", "int8", "int4"] and rows["bfloat16"]["spec"]
+    assert rows["float32"]["weights"] == 4 * params and rows["bfloat16"]["weights"] == 2 * params
+    embed = 128256 * 4096  # int8/int4 quantize the linear layers; the input embedding stays 16-bit
+    assert rows["int8"]["weights"] == params - embed + 2 * embed
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads x 128, bf16: 128 KiB
+    assert rows["bfloat16"]["kv_cache"] == kv_per_token * 8 * (2048 + 256)
+    assert rows["float32"]["kv_cache"] == 2 * rows["bfloat16"]["kv_cache"]
+    assert rows["bfloat16"]["fits"] is True and rows["bfloat16"]["max_batch"] > 8
+    assert (data["prompt_tokens"], data["new_tokens"], data["gpus_per_replica"]) == (2048, 256, 1)
+    # score mode keeps no cache; its full-sequence logits grow with the batch
+    score = json.loads(hpcgpu("estimate", str(spec), "--json", "--gpu-memory", "80G", "--prompt-tokens", "2048",
+                              "--set", "infer.mode=score").stdout)
+    assert all(r["kv_cache"] == 0 for r in score["formats"]) and score["new_tokens"] == 0
+
+
+def test_estimate_infer_text_says_what_fits_and_what_does_not(tmp_path):
+    spec = infer_spec(tmp_path, {"config": LLAMA_8B, "dtype": "float16"}, max_new_tokens=64)
+    done = hpcgpu("estimate", str(spec), "--gpu-memory", "12G")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    # model.config: the byte-level tokenizer, so the longest row is counted in bytes
+    assert "rows of 51 tokens (the longest of 45 rows, in bytes) + 64 new; batch auto" in out
+    assert "float16 (spec)" in out and "int8 (later)" in out
+    assert "DOES NOT FIT: float16 weights and one row need more than one GPU" in out
+    done = hpcgpu("estimate", str(spec), "--gpu-memory", "80G", "--set", "model.dtype=auto")
+    assert "bfloat16 (spec)" in done.stdout and "bfloat16 weights, one GPU per replica, batch" in done.stdout
+
+
+def test_estimate_infer_counts_prompts_with_the_model_s_tokenizer(tmp_path):
+    made = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    spec = infer_spec(tmp_path, {"name_or_path": str(tmp_path / "m")}, batch_size=4, max_new_tokens=16)
+    done = hpcgpu("estimate", str(spec), "--gpu-memory", "16G")
+    assert done.returncode == 0, done.stderr
+    assert "0.17M parameters" in done.stdout
+    assert "(the longest of 45 rows of infer.input) + 16 new; batch 4" in done.stdout
+    data = json.loads(hpcgpu("estimate", str(spec), "--json").stdout)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    from hpcgpu.infer_rows import read_rows
+
+    longest = max(len(tok.encode(r.prompt)) if r.prompt else
+                  len(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+                  for r in read_rows(REPO / "configs" / "data" / "prompts.jsonl"))
+    assert data["prompt_tokens"] == longest and data["prompt_tokens_from"].startswith("the longest of 45")
 
 
 PROBE = """

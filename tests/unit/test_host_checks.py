@@ -265,3 +265,193 @@ def test_an_sbatch_export_that_drops_passthrough_variables_is_refused(tmp_path):
     assert hpcgpu("submit", str(spec), "--executor", "local", "--dry-run", cwd=tmp_path,
                   SBATCH_EXPORT="NONE", **env).returncode == 0
     assert not (tmp_path / "runs").exists()
+
+
+# --- task: infer: the input rows and the model folder ---------------------------------------------
+
+GOOD_ROWS = '{"id": "a", "prompt": "hello"}\n{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n'
+
+
+def model_dir(tmp_path: Path, *files: str) -> Path:
+    """A folder shaped like one save_pretrained() wrote: the checks look for files, not inside them."""
+    folder = tmp_path / "exp" / "model"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        (folder / name).write_text("{}")
+    return folder
+
+
+def infer_doc(tmp_path: Path, rows: str | None = GOOD_ROWS, input_name: str = "prompts.jsonl", **infer) -> dict:
+    (tmp_path / "exp").mkdir(exist_ok=True)
+    if rows is not None:
+        (tmp_path / "exp" / input_name).write_text(rows)
+    if not (tmp_path / "exp" / "model").exists():
+        model_dir(tmp_path, "config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
+                  "chat_template.jinja")
+    return {"name": "inf", "task": "infer", "resources": {"gpus": 2, "cpus_per_gpu": 1},
+            "model": {"name_or_path": "./model"}, "infer": {"input": input_name, **infer},
+            "runs_dir": str(tmp_path / "runs")}
+
+
+def test_a_good_infer_spec_passes_every_command(tmp_path):
+    spec = write(tmp_path, infer_doc(tmp_path))
+    done = hpcgpu("validate", str(spec), cwd=tmp_path)
+    assert done.returncode == 0 and "task      infer" in done.stdout, done.stderr
+    done = hpcgpu("submit", str(spec), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    # a .txt input: one prompt a line; score mode reads "text"
+    (tmp_path / "exp" / "texts.txt").write_text("one\ntwo\n")
+    (tmp_path / "exp" / "scored.jsonl").write_text('{"id": 1, "text": "x"}\n')
+    for over in ({"input": "texts.txt"}, {"input": "scored.jsonl", "mode": "score"}):
+        doc = infer_doc(tmp_path, rows=None)
+        doc["infer"].update(over)
+        assert hpcgpu("validate", str(write(tmp_path, doc)), cwd=tmp_path).returncode == 0
+
+
+def test_the_byte_tokenizer_of_a_trained_model_counts_as_a_tokenizer(tmp_path):
+    doc = infer_doc(tmp_path, rows='{"id": "a", "prompt": "hello"}\n')
+    model_dir(tmp_path / "t", "config.json", "hpcgpu_tokenizer.json")  # what hpcgpu's trainer saves
+    doc["model"]["name_or_path"] = str(tmp_path / "t" / "exp" / "model")
+    checks.check_host(load_spec(write(tmp_path, doc)))
+
+
+@pytest.mark.parametrize("case", ["byte-tokenizer", "model-config", "no-template", "template-in-config"])
+def test_chat_rows_need_a_tokenizer_with_a_chat_template(tmp_path, case):
+    doc = infer_doc(tmp_path)  # line 2 of its input has "messages"
+    if case == "model-config":
+        doc["model"] = {"config": dict(TINY)}
+    elif case == "byte-tokenizer":
+        doc["model"]["name_or_path"] = str(model_dir(tmp_path / "t", "config.json", "hpcgpu_tokenizer.json"))
+    else:
+        folder = model_dir(tmp_path / "t", "config.json", "tokenizer.json")
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"chat_template": "{{ messages[0]['content'] }}"} if case == "template-in-config" else {}))
+        doc["model"]["name_or_path"] = str(folder)
+    spec = write(tmp_path, doc)
+    done = hpcgpu("validate", str(spec), cwd=tmp_path)
+    if case == "template-in-config":  # where transformers before 4.47 saved it
+        assert done.returncode == 0, done.stderr
+        return
+    one_error_line(done, f"{tmp_path / 'exp' / 'prompts.jsonl'}:2:", "\"messages\" need the tokenizer's chat template",
+                   "give a \"prompt\" instead")
+
+
+# (the infer section, the file, the words the line must hold); {input} is the input file's path
+BAD_INFER = {
+    "input-missing": ({"input": "nope.jsonl"}, None, ["file not found: infer.input:", "nope.jsonl"]),
+    "input-a-folder": ({"input": "."}, None, ["infer.input:", "is a folder"]),
+    "malformed-line": ({}, GOOD_ROWS + '{"id": "c", "prompt": \n', ["{input}:3:", "not a JSON object"]),
+    "not-an-object": ({}, GOOD_ROWS + '["c", "x"]\n', ["{input}:3:", "expected a JSON object"]),
+    "no-prompt": ({}, '\n{"id": "a", "prompt": "x"}\n{"id": "b", "promt": "x"}\n', ["{input}:3:", "\"prompt\""]),
+    "no-text-in-score-mode": ({"mode": "score"}, '{"id": "a", "prompt": "x"}\n', ["{input}:1:", "\"text\""]),
+    "repeated-id": ({}, GOOD_ROWS + '{"id": "a", "prompt": "again"}\n', ["{input}:3:", "'a' is repeated",
+                                                                        "line 1"]),
+    "no-rows": ({}, "\n\n", ["infer.input:", "has no rows"]),
+    "not-utf8": ({}, None, ["{input}:2:", "not UTF-8"]),
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("case", list(BAD_INFER))
+def test_a_bad_infer_input_is_one_line_naming_file_and_line(tmp_path, case, command):
+    over, rows, words = BAD_INFER[case]
+    doc = infer_doc(tmp_path, rows=rows, **over)
+    if case == "not-utf8":
+        (tmp_path / "exp" / "prompts.jsonl").write_bytes(b'{"id": 1, "prompt": "ok"}\n{"id": 2, "prompt": "\xff"}\n')
+    spec = write(tmp_path, doc)
+    shown = str(tmp_path / "exp" / "prompts.jsonl")  # the path the job would read: from the spec's folder
+    one_error_line(hpcgpu(*COMMANDS[command], str(spec), cwd=tmp_path), *(w.format(input=shown) for w in words))
+    assert not (tmp_path / "runs").exists()
+
+
+BAD_MODEL = {
+    "missing": ((), ["file not found: model.name_or_path:", "missing-model"]),
+    "no-tokenizer": (("config.json", "model.safetensors", "generation_config.json"),
+                     ["model.name_or_path:", "has no tokenizer", "tokenizer.json"]),
+    "no-config": (("tokenizer.json", "model.safetensors"), ["model.name_or_path:", "has no config.json"]),
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("case", list(BAD_MODEL))
+def test_a_model_folder_without_config_or_tokenizer_is_one_line(tmp_path, case, command):
+    files, words = BAD_MODEL[case]
+    doc = infer_doc(tmp_path)
+    if case == "missing":
+        doc["model"]["name_or_path"] = "./missing-model"
+    else:
+        bare = model_dir(tmp_path / "b", *files)
+        doc["model"]["name_or_path"] = str(bare)
+    spec = write(tmp_path, doc)
+    one_error_line(hpcgpu(*COMMANDS[command], str(spec), cwd=tmp_path), *words)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_training_model_folder_needs_no_tokenizer(tmp_path):
+    """Training falls back to the byte-level tokenizer; only task: infer needs the model's own."""
+    bare = model_dir(tmp_path / "b", "config.json", "model.safetensors")
+    checks.check_host(load_spec(write(tmp_path, train_doc(tmp_path, model={"name_or_path": str(bare)}))))
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("case", ["gpus_per_replica", "quantization"])
+def test_what_this_version_cannot_run_is_refused_by_every_command(tmp_path, case, command):
+    doc = infer_doc(tmp_path, **({"gpus_per_replica": 2} if case == "gpus_per_replica" else {}))
+    if case == "quantization":
+        doc["model"]["quantization"] = "int8"
+    key = "infer.gpus_per_replica" if case == "gpus_per_replica" else "model.quantization"
+    one_error_line(hpcgpu(*COMMANDS[command], str(write(tmp_path, doc)), cwd=tmp_path), key, "not in this version")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_max_memory_the_job_cannot_read_is_refused(tmp_path):
+    one_error_line(hpcgpu("validate", str(write(tmp_path, infer_doc(tmp_path, max_memory="lots"))), cwd=tmp_path),
+                   "infer.max_memory: 'lots' is not a size like 70GiB or auto")
+    assert hpcgpu("validate", str(write(tmp_path, infer_doc(tmp_path, max_memory="70GiB"))),
+                  cwd=tmp_path).returncode == 0
+
+
+def test_every_sweep_task_s_input_is_read(tmp_path):
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "bad.jsonl").write_text('{"id": 1, "prompt": "x"}\n{"id": 1, "prompt": "y"}\n')
+    doc = infer_doc(tmp_path)
+    doc["sweep"] = {"infer.input": [str(tmp_path / "exp" / "prompts.jsonl"), str(tmp_path / "exp" / "bad.jsonl")]}
+    one_error_line(hpcgpu("submit", str(write(tmp_path, doc)), "--executor", "local", cwd=tmp_path),
+                   f"{tmp_path / 'exp' / 'bad.jsonl'}:2:", "repeated")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_shipped_example_passes_with_the_model_the_script_makes(tmp_path):
+    """scripts/make_tiny_model.py writes a folder configs/tiny-infer.yaml can use (no hub): a config,
+    seeded random weights, a BPE tokenizer with end-of-text, padding and a chat template."""
+    made = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert made.returncode == 0 and made.stderr == "", made.stderr
+    assert "BPE vocabulary 512" in made.stdout
+    assert checks.has_chat_template(tmp_path / "m")
+    done = hpcgpu("validate", str(CONFIGS / "tiny-infer.yaml"), "--set", f"model.name_or_path={tmp_path / 'm'}",
+                  cwd=tmp_path)
+    assert done.returncode == 0 and "task      infer" in done.stdout, done.stderr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
+    assert (tok.eos_token, tok.pad_token, len(tok)) == ("<|endoftext|>", "<|pad|>", 512)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=False) == "user: hi\nassistant:"
+    again = subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(tmp_path / "m2")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):  # seeded: the same folder every time
+        assert (tmp_path / "m" / name).read_bytes() == (tmp_path / "m2" / name).read_bytes(), name
+
+
+def test_infer_checks_import_no_torch(tmp_path):
+    """The rows and the model folder are read without torch or transformers (login nodes stay fast)."""
+    spec = write(tmp_path, infer_doc(tmp_path, max_memory="70GiB"))
+    probe = ("import sys\nfrom hpcgpu.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+             "    code = exc.code\nprint('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules),"
+             " 'CODE=' + str(code), file=sys.stderr)\n")
+    for args in (["validate", str(spec)], ["sbatch", str(spec)]):
+        done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=60)
+        assert "HEAVY= CODE=0" in done.stderr, (args, done.stderr)

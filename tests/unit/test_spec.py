@@ -17,6 +17,7 @@ from hpcgpu.spec import Spec, dump_spec, load_spec
 from hpcgpu.spec.derive import time_limit_s
 
 COMMAND = "name: a\ntask: command\ncommand: [x]\n"
+INFER = "name: a\ntask: infer\nmodel: {name_or_path: gpt2}\ninfer:\n  input: p.jsonl\n"
 
 FULL = """\
 name: full-spec_1.0
@@ -178,8 +179,16 @@ BAD = [
     ("signal-lead-too-long", COMMAND + "slurm:\n  signal: USR2@65536\n", "slurm.signal",
      ["65535"], "signal"),
     ("signal-negative-lead", COMMAND + "slurm:\n  signal: USR2@-1\n", "slurm.signal", ["USR2@120"], "signal"),
-    ("infer-not-yet", "name: a\ntask: infer\nmodel: {name_or_path: gpt2}\n", "task",
-     ["infer is not in this version"], "task:"),
+    ("infer-no-input", "name: a\ntask: infer\nmodel: {name_or_path: gpt2}\n", "infer.input",
+     ["task: infer needs an input file"], None),
+    ("infer-no-model", "name: a\ntask: infer\ninfer: {input: p.jsonl}\n", "model",
+     ["task: infer needs model.name_or_path"], None),
+    # this version: one GPU per model copy, no quantization; refused before anything is queued
+    ("infer-gpus-per-replica", INFER + "  gpus_per_replica: 2\n", "infer.gpus_per_replica",
+     ["several GPUs is not in this version", "use 1"], "gpus_per_replica"),
+    ("infer-quantization", "name: a\ntask: infer\nmodel:\n  name_or_path: gpt2\n  quantization: int8\n"
+     "infer: {input: p.jsonl}\n", "model.quantization", ["not in this version", "use none"], "quantization"),
+    ("infer-mode", INFER + "  mode: chat\n", "infer.mode", ["generate, score"], "mode: chat"),
     ("mem-GB", COMMAND + "resources:\n  mem_per_gpu: 32GB\n", "resources.mem_per_gpu", ["32G"], "mem_per_gpu"),
     ("mem-word", COMMAND + "resources:\n  mem_per_gpu: lots\n", "resources.mem_per_gpu", ["32G"], "mem_per_gpu"),
     ("name-space", "name: my job\ntask: command\ncommand: [x]\n", "name", ["letters, digits"], "name:"),
@@ -234,9 +243,11 @@ def test_bad_spec_gives_one_clear_line(write_spec, text, key, words, line_text):
 
 
 @pytest.mark.parametrize("text, words", [
-    ("name: a\ntask: infer\nmodel: {name_or_path: gpt2}\n", "task: infer is not in this version"),
+    (INFER + "  gpus_per_replica: 2\n", "infer.gpus_per_replica: a model spread over several GPUs is not in"),
+    (INFER.replace("{name_or_path: gpt2}", "{name_or_path: gpt2, quantization: int4}"),
+     "model.quantization: int8/int4 weights are not in this version"),
     (COMMAND + "slurm: {signal: NOTASIG@60}\n", "slurm.signal: 'NOTASIG' is not a signal name"),
-], ids=["infer", "signal"])
+], ids=["infer-gpus-per-replica", "infer-quantization", "signal"])
 def test_refused_before_any_job_by_every_command(write_spec, tmp_path, text, words):
     """What sbatch or the job would refuse only after the wait in the queue: one line, exit 2, nothing made."""
     import os
@@ -250,6 +261,22 @@ def test_refused_before_any_job_by_every_command(write_spec, tmp_path, text, wor
                               text=True, env=env, timeout=60)
         assert done.returncode == 2 and done.stderr.count("\n") == 1 and words in done.stderr, (args, done.stderr)
     assert not (tmp_path / "runs").exists()
+
+
+def test_task_infer_is_accepted_with_an_input(write_spec, tmp_path):
+    spec = load_spec(write_spec(INFER + "  mode: score\n  batch_size: 4\n  gpus_per_replica: 1\n"
+                                "resources: {gpus: 2}\n"))
+    assert spec.task == "infer" and spec.world_size == 2
+    assert spec.infer.input == str(tmp_path / "p.jsonl")  # relative to the spec's folder, like data.train
+    assert (spec.infer.mode, spec.infer.batch_size, spec.infer.gpus_per_replica) == ("score", 4, 1)
+    assert spec.model.quantization == "none"
+    defaults = load_spec(write_spec(INFER)).infer
+    assert (defaults.mode, defaults.max_new_tokens, defaults.temperature, defaults.batch_size,
+            defaults.gpus_per_replica) == ("generate", 256, 0.0, "auto", "auto")
+    assert _round_trip(spec, tmp_path / "moved") == spec
+    tiny = load_spec(CONFIGS / "tiny-infer.yaml")
+    assert tiny.task == "infer" and Path(tiny.infer.input).is_file()
+    assert tiny.model.name_or_path == str(CONFIGS.parent / "runs" / "models" / "tiny-gpt2")
 
 
 def test_not_yaml_names_the_line(write_spec):

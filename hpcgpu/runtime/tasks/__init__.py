@@ -1,4 +1,4 @@
-"""Tasks a job runs: train (built in), command (the user's program), callable (the user's function)."""
+"""Tasks a job runs: train and infer (built in), command (the user's program), callable (the user's function)."""
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +32,10 @@ def _dispatch(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         from hpcgpu.runtime.tasks.train import run_train
 
         return run_train(spec, paths)
+    if spec.task == "infer":
+        from hpcgpu.runtime.tasks.infer import run_infer
+
+        return run_infer(spec, paths)
     raise HpcgpuError(f"task: {spec.task} is not available yet in this version; use train, command or callable")
 
 

@@ -31,6 +31,7 @@ from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
 from hpcgpu.runtime.dist import init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, settle_plan, write_plan
 from hpcgpu.spec import Spec
 
@@ -64,30 +65,6 @@ def fetch_batch(blocks: torch.Tensor, idx: torch.Tensor, device: torch.device) -
 
 
 # ---------------------------------------------------------------- model
-
-def build_model(spec: Spec, seed: int, device: torch.device | None = None) -> torch.nn.Module:
-    """The model with its initial weights; built on `device` (a GPU: no slow CPU init of big models)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        spec.model.dtype]
-    torch.manual_seed(seed)  # identical initial weights on every rank and every restart
-    if spec.model.name_or_path:
-        try:
-            return AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, dtype=dtype or torch.float32)
-        except (OSError, ValueError) as exc:
-            raise HpcgpuError(f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {exc}") from None
-    cfg = dict(spec.model.config or {})
-    model_type = cfg.pop("model_type")
-    try:
-        config = AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, TypeError) as exc:
-        # transformers lists every model type it knows (12 KB): one short line instead
-        raise HpcgpuError(f"model.config: {str(exc).split('. Should contain')[0]}") from None
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(config)
-    return model.to(dtype) if dtype else model
-
 
 def count_params(model: torch.nn.Module) -> int:
     """Parameters, also when ZeRO-3 has partitioned them away (ds_numel is the full size)."""

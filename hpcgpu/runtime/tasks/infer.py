@@ -1,0 +1,610 @@
+"""`task: infer`: batch generation or scoring over an input file, data-parallel, preemptible.
+
+One rank is one replica: a whole copy of the model on its GPU (or a CPU rank). Every replica reads the
+whole input, tokenizes it, sorts the rows by (token length, input position) and cuts them into the same
+batches of the run plan's batch size; batch i belongs to replica i % replicas. The batches (and so
+every output, greedy or sampled: sampling is seeded per batch from (infer.seed, batch number)) do not
+depend on the replica count: 1 and 2 replicas give the same outputs.jsonl, bit for bit on CPU.
+
+Each replica appends the rows of a batch to outputs/replica-N.jsonl (runtime/infer_outputs.py) and
+then takes part in one small collective: the stop flag and the progress counters, all-reduced. On an
+agreed stop (the preemption signal, SIGTERM, Ctrl-C) rank 0 requeues and every rank exits 75, as
+train does after its checkpoint; the rows written are the checkpoint. A resumed job skips every row
+some replica wrote (any replica count: all the replica files are read), redoes a batch only partly
+written (a kill -9) whole and writes just its missing rows: never a duplicate, never a dropped row.
+At the end rank 0 merges the replica files into outputs.jsonl, in input order, and marks the run
+FINISHED.
+
+Records (one JSON object a line):
+    generate  {"id", "index", "text", "prompt_tokens", "completion_tokens", "finish_reason"}
+              finish_reason: "stop" (an end-of-sequence token or a stop string; neither is in the
+              text), "length" (max_new_tokens reached); completion_tokens: what the model generated
+              for the row, up to its end (the end-of-sequence token not counted)
+    score     {"id", "index", "log_likelihood", "tokens", "perplexity"}: the sum of log p(t_i | t_<i)
+              over the text's tokens after the first (as the tokenizer encodes the text, special
+              tokens included: a BOS makes every text token scored), their number, exp(-ll / tokens)
+              (null for a text of fewer than 2 tokens)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hpcgpu.contract import ENV_GPU_MEMORY, ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.monitor import GpuMonitor
+from hpcgpu.infer_rows import Row, read_rows
+from hpcgpu.runtime import infer_outputs as outputs
+from hpcgpu.runtime.context import Context, init
+from hpcgpu.runtime.data import ByteTokenizer
+from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.model import build_model
+from hpcgpu.runtime.plan import (DTYPE_BYTES, RunPlan, check_recorded, infer_precision, infer_row_bytes, plan_infer,
+                                 recorded_plan, with_replicas)
+from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan, set_cpu_threads
+from hpcgpu.spec import Spec
+
+log = logging.getLogger("hpcgpu")
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOG_EVERY_S = 10.0  # rank 0's progress line and metrics record, at most this often (and the first and last)
+HEADROOM = 0.9  # of the GPU memory free beside the weights, for the rows of a batch (the rest: allocator slack)
+HEADROOM_BYTES = 1 << 30  # and this much less again (CUDA graphs, library workspaces)
+
+
+# ---------------------------------------------------------------- tokenizer and rows
+
+def load_infer_tokenizer(spec: Spec) -> Any:
+    """The byte tokenizer for model.config (and a model dir saved with it); else the model dir's own
+    tokenizer, or one clear error: inference without its tokenizer would be noise."""
+    path = spec.model.name_or_path
+    if not path or Path(path, "hpcgpu_tokenizer.json").exists():
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+        raise HpcgpuError(f"model.name_or_path: no usable tokenizer in {path!r} ({first}); save the model's "
+                          "tokenizer there (tokenizer.save_pretrained)") from None
+    if not getattr(tokenizer, "vocab_size", 0):
+        # transformers 5 builds an empty tokenizer of the model's class where a folder has no tokenizer files
+        raise HpcgpuError(f"model.name_or_path: no usable tokenizer in {path!r} (it has no vocabulary); save "
+                          "the model's tokenizer there (tokenizer.save_pretrained)")
+    return tokenizer
+
+
+class Codec:
+    """Text <-> token ids for the byte tokenizer and Hugging Face tokenizers alike."""
+
+    def __init__(self, tokenizer: Any, model_ref: str):
+        self.tok = tokenizer
+        self.bytes = isinstance(tokenizer, ByteTokenizer)
+        self.model_ref = model_ref
+
+    def encode_many(self, texts: list[str], special: bool = True) -> list[list[int]]:
+        if not texts:
+            return []
+        if self.bytes:
+            return [self.tok.encode(t) for t in texts]
+        return [list(ids) for ids in self.tok(texts, add_special_tokens=special)["input_ids"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.bytes:
+            return self.tok.decode(list(ids))
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def chat(self, row: Row, source: str) -> str:
+        if self.bytes or not getattr(self.tok, "chat_template", None):
+            raise HpcgpuError(f"{source}:{row.line}: \"messages\" need the tokenizer's chat template, and the "
+                              f"tokenizer of {self.model_ref} has none; give a \"prompt\" instead")
+        try:
+            return self.tok.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja's own errors (a template that wants other roles, ...)
+            first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            raise HpcgpuError(f"{source}:{row.line}: the chat template of {self.model_ref} refused the "
+                              f"messages: {first}") from None
+
+    def special_id(self, name: str) -> int | None:
+        value = getattr(self.tok, name, None)
+        return int(value) if isinstance(value, int) else None
+
+
+def encode_rows(rows: Sequence[Row], codec: Codec, mode: str, source: str) -> list[list[int]]:
+    """Each row's token ids: score, the text; generate, the prompt (or the messages through the chat
+    template, whose text carries its own special tokens). An empty prompt starts from BOS (else EOS)."""
+    ids: list[list[int]] = [[] for _ in rows]
+    plain = [i for i, r in enumerate(rows) if r.messages is None]
+    texts = [(rows[i].text if mode == "score" else rows[i].prompt) or "" for i in plain]
+    for i, row_ids in zip(plain, codec.encode_many(texts, special=True)):
+        ids[i] = row_ids
+    chats = [i for i, r in enumerate(rows) if r.messages is not None]
+    for i, row_ids in zip(chats, codec.encode_many([codec.chat(rows[i], source) for i in chats], special=False)):
+        ids[i] = row_ids
+    if mode == "generate":
+        start = codec.special_id("bos_token_id")
+        start = start if start is not None else codec.special_id("eos_token_id")
+        for i, row_ids in enumerate(ids):
+            if not row_ids:
+                if start is None:
+                    raise HpcgpuError(f"{source}:{rows[i].line}: the prompt is empty and the tokenizer has no "
+                                      "BOS or EOS token to start from; give a prompt")
+                ids[i] = [start]
+    return ids
+
+
+def check_rows_fit(rows: Sequence[Row], ids: Sequence[list[int]], config: Any, mode: str, max_new_tokens: int,
+                   source: str, model_ref: str) -> None:
+    """Every token id inside the model's vocabulary, every row inside its positions: one clear error
+    naming the row, before the weights load."""
+    vocab = getattr(config, "vocab_size", None)
+    top = max((max(r) for r in ids if r), default=-1)
+    if vocab is not None and top >= vocab:
+        raise HpcgpuError(f"model vocab_size {vocab} is too small for the tokenizer (token id {top}) of "
+                          f"{model_ref}; use vocab_size >= 256 for the byte-level tokenizer")
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return
+    extra = max_new_tokens if mode == "generate" else 0
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[longest]) + extra > limit:
+        row = rows[longest]
+        what = (f"its prompt is {len(ids[longest])} tokens, + infer.max_new_tokens {extra}" if extra
+                else f"its text is {len(ids[longest])} tokens")
+        raise HpcgpuError(f"{source}:{row.line}: row {json.dumps(row.id)} does not fit the model's {limit} "
+                          f"positions (max_position_embeddings): {what}; shorten it"
+                          + (" or lower infer.max_new_tokens" if extra else ""))
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def make_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Row indices sorted by (token length, input position), cut into batches: the same batches for
+    any replica count (batch i is replica i % replicas')."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def batch_seed(seed: int, batch: int) -> int:
+    """The torch seed of one batch's sampling: from (infer.seed, batch number) only."""
+    return (seed * 1_000_003 + batch) % (2 ** 63 - 1)
+
+
+# ---------------------------------------------------------------- the model
+
+def model_config(spec: Spec) -> Any:
+    """The model's config without its weights (the rows are checked against it before they load)."""
+    from transformers import AutoConfig
+
+    if spec.model.name_or_path:
+        try:
+            config = AutoConfig.from_pretrained(spec.model.name_or_path)
+        except (OSError, ValueError, KeyError) as exc:
+            first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            raise HpcgpuError(f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {first}") from None
+    else:
+        cfg = dict(spec.model.config or {})
+        model_type = cfg.pop("model_type")
+        try:
+            config = AutoConfig.for_model(model_type, **cfg)
+        except (ValueError, TypeError) as exc:
+            raise HpcgpuError(f"model.config: {str(exc).split('. Should contain')[0]}") from None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def row_bytes(config: Any, mode: str, max_tokens: int, precision: str) -> int:
+    heads = getattr(config, "num_attention_heads", None) or 1
+    hidden = getattr(config, "hidden_size", None) or 0
+    return infer_row_bytes(mode, layers=getattr(config, "num_hidden_layers", None) or 1,
+                           kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                           head_dim=getattr(config, "head_dim", None) or max(1, hidden // heads), hidden=hidden,
+                           vocab=getattr(config, "vocab_size", None) or 0, max_tokens=max_tokens,
+                           dtype_bytes=DTYPE_BYTES[precision])
+
+
+def memory_budget(spec: Spec, model: torch.nn.Module, device: torch.device) -> int | None:
+    """GPU memory the rows of a batch may use: free beside the weights less headroom, within
+    infer.max_memory (a cap on the replica's GPU memory, weights included); None on CPU ranks.
+    HPCGPU_GPU_MEMORY stands for the card's memory (as for train), on CPU ranks too."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if os.environ.get(ENV_GPU_MEMORY):
+        from hpcgpu.runtime.plan import gpu_memory_reading
+
+        free = (gpu_memory_reading(device) or 0) - weights
+    elif device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+    else:
+        return None
+    budget = int(free * HEADROOM) - HEADROOM_BYTES
+    cap = max_memory_cap(spec)
+    if cap is not None:
+        budget = min(budget, cap - weights)
+    return max(0, budget)
+
+
+def max_memory_cap(spec: Spec) -> int | None:
+    """infer.max_memory in bytes (None: auto)."""
+    if spec.infer.max_memory == "auto":
+        return None
+    from hpcgpu.gpu.estimate import parse_size
+
+    try:
+        return parse_size(spec.infer.max_memory)
+    except HpcgpuError:
+        raise HpcgpuError(f"infer.max_memory: {spec.infer.max_memory!r} is not a size like 70GiB, or auto") from None
+
+
+# ---------------------------------------------------------------- generation and scoring
+
+def _stop_criteria(stops: Sequence[str], codec: Codec, prompt_len: int) -> Any:
+    from transformers import StoppingCriteria
+
+    window = 4 * max(len(s) for s in stops) + 4  # tokens: enough to hold any stop string whole
+
+    class StopStrings(StoppingCriteria):
+        """A row is done once its completion holds a stop string (the rest of the batch goes on)."""
+
+        def __init__(self) -> None:
+            self.done_at: dict[int, int] = {}  # row -> tokens generated when a stop string appeared
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            gen = input_ids[:, prompt_len:]
+            n = gen.shape[1]
+            done = torch.zeros(gen.shape[0], dtype=torch.bool, device=input_ids.device)
+            for r, tail in enumerate(gen[:, max(0, n - window):].tolist()):
+                if r not in self.done_at and any(s in codec.decode(tail) for s in stops):
+                    self.done_at[r] = n
+                if r in self.done_at:
+                    done[r] = True
+            return done
+
+    return StopStrings()
+
+
+@dataclass
+class BatchResult:
+    records: list[dict[str, Any]]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Engine:
+    """The model, the tokenizer and the generation settings of one replica."""
+
+    def __init__(self, spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
+                 device: torch.device):
+        self.spec, self.model, self.codec, self.ids, self.rows, self.device = spec, model, codec, ids, rows, device
+        inf = spec.infer
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        vocab = getattr(config, "vocab_size", None) or 1 << 62
+        eos = [codec.special_id("eos_token_id")]
+        model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos += model_eos if isinstance(model_eos, list) else [model_eos]
+        # ids outside the vocabulary (GPT-2's default 50256 in a byte-level model) are no end of anything
+        self.eos = sorted({int(e) for e in eos if isinstance(e, int) and 0 <= e < vocab})
+        pad = codec.special_id("pad_token_id")
+        self.pad = pad if pad is not None and 0 <= pad < vocab else (self.eos[0] if self.eos else 0)
+        if inf.mode == "generate":
+            from transformers import GenerationConfig
+
+            # every setting explicit: what the model's own generation_config says (a temperature, a
+            # repetition penalty) would otherwise fill in the ones left unset
+            # (min_p, typical_p, epsilon/eta cutoffs off: the spec's temperature, top_p and top_k alone)
+            sampling = dict(do_sample=True, temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k,
+                            min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0) \
+                if inf.temperature > 0 else dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
+            self.gen_config = GenerationConfig(
+                max_new_tokens=inf.max_new_tokens, min_new_tokens=0, num_beams=1, num_return_sequences=1,
+                repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=self.pad,
+                eos_token_id=self.eos or None, **sampling)
+
+    def run(self, number: int, batch: list[int]) -> BatchResult:
+        with torch.inference_mode():
+            if self.spec.infer.mode == "score":
+                return self.score(batch)
+            return self.generate(number, batch)
+
+    def generate(self, number: int, batch: list[int]) -> BatchResult:
+        inf = self.spec.infer
+        seqs = [self.ids[i] for i in batch]
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, s in enumerate(seqs):  # left padding: every row's next token is in the last column
+            input_ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[r, width - len(s):] = 1
+        stop = _stop_criteria(inf.stop, self.codec, width) if inf.stop else None
+        if inf.temperature > 0:
+            torch.manual_seed(batch_seed(inf.seed, number))  # the same draws whichever replica runs it
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=self.gen_config,
+                                  stopping_criteria=[stop] if stop is not None else None)
+        generated = out[:, width:].tolist()
+        records, completion = [], 0
+        for r, (i, tokens) in enumerate(zip(batch, generated)):
+            end = next((k for k, t in enumerate(tokens) if t in self.eos), None)
+            reason = "stop" if end is not None else "length"
+            n = len(tokens) if end is None else end
+            if stop is not None and r in stop.done_at and stop.done_at[r] <= n:
+                n, reason = stop.done_at[r], "stop"
+            text = self.codec.decode(tokens[:n])
+            cut = min((p for p in (text.find(s) for s in inf.stop) if p >= 0), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+            completion += n
+            records.append({"id": self.rows[i].id, "index": i, "text": text, "prompt_tokens": len(seqs[r]),
+                            "completion_tokens": n, "finish_reason": reason})
+        return BatchResult(records, sum(len(s) for s in seqs), completion)
+
+    def score(self, batch: list[int]) -> BatchResult:
+        seqs = [self.ids[i] for i in batch]
+        scored = [r for r, s in enumerate(seqs) if len(s) >= 2]
+        ll = [0.0] * len(seqs)
+        if scored:
+            width = max(len(seqs[r]) for r in scored)
+            input_ids = torch.full((len(scored), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(scored), width), dtype=torch.long)
+            for k, r in enumerate(scored):  # right padding: positions count from each row's first token
+                input_ids[k, :len(seqs[r])] = torch.tensor(seqs[r], dtype=torch.long)
+                mask[k, :len(seqs[r])] = 1
+            input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+            logits = self.model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+            sums = (logp.double() * mask[:, 1:]).sum(dim=1).tolist()
+            for k, r in enumerate(scored):
+                ll[r] = sums[k]
+        records = []
+        for r, i in enumerate(batch):
+            n = max(0, len(seqs[r]) - 1)
+            records.append({"id": self.rows[i].id, "index": i, "log_likelihood": ll[r], "tokens": n,
+                            "perplexity": math.exp(-ll[r] / n) if n else None})
+        return BatchResult(records, sum(len(s) for s in seqs), 0)
+
+
+# ---------------------------------------------------------------- plan
+
+def settle_infer_plan(ctx: Context, spec: Spec, paths: RunPaths, digest: str) -> RunPlan | None:
+    """The recorded plan of this run, checked and fitted to this job's replica count; None when there
+    is none (a fresh plan is decided once the model is loaded)."""
+    recorded = recorded_plan(paths)
+    if recorded is None:
+        return None
+    plan, source = recorded
+    check_recorded(plan, source, spec, ctx.world_size)
+    if plan.inference.input_digest and plan.inference.input_digest != digest:
+        raise HpcgpuError(f"infer.input: {spec.infer.input} changed since this run started (the recorded plan "
+                          f"{source} has another sha256); restore it, or start a fresh run (submit --new)")
+    log.info(f"reusing the recorded plan from {source}: {plan.summary()} (decided at the first start: {plan.reason})")
+    if plan.world_size != ctx.world_size:
+        log.info(f"the run started with {plan.world_size} replica(s) and goes on with {ctx.world_size}: the "
+                 f"batches stay the same (batch i runs on replica i % {ctx.world_size}); rows any replica "
+                 "wrote are skipped")
+    return with_replicas(plan, ctx.world_size)
+
+
+def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str, ids: Sequence[list[int]],
+               digest: str) -> RunPlan:
+    inf = spec.infer
+    max_tokens = max(len(s) for s in ids) + (inf.max_new_tokens if inf.mode == "generate" else 0)
+    budget, per_row = None, None
+    if inf.batch_size == "auto":
+        budget = memory_budget(spec, model, ctx.device)
+        if budget is not None:  # the same on every rank: the device kind and the environment are
+            from hpcgpu.runtime.dist import agreed_min
+
+            budget = agreed_min(budget, ctx.device)  # the smallest card decides
+            per_row = row_bytes(config, inf.mode, max_tokens, precision)
+    plan = plan_infer(spec, ctx.world_size, device_type=ctx.device.type, precision=precision, rows=len(ids),
+                      max_tokens=max_tokens, input_digest=digest, budget_bytes=budget, bytes_per_row=per_row)
+    (log.warning if plan.inference.fits is False else log.info)(f"run plan: {plan.summary()}; {plan.reason}")
+    return plan
+
+
+# ---------------------------------------------------------------- the loop
+
+def all_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def inject_signal(ctx: Context, iteration: int, fresh: bool) -> None:
+    """Drill for tests: HPCGPU_SIGNAL_AT="N[:RANK]" makes that rank send itself the spec's stop signal
+    after its N-th batch (loop iteration) of the run's first start, as `scancel --signal` would; a
+    start that found rows already written ignores it (the resumed job goes on)."""
+    spec_at = os.environ.get(ENV_SIGNAL_AT)
+    if not spec_at or not fresh or ctx.spec is None:
+        return
+    at, _, rank = spec_at.partition(":")
+    if iteration == int(at) and (not rank or int(rank) == ctx.rank):
+        from hpcgpu.spec.derive import signal_name
+
+        os.kill(os.getpid(), getattr(signal, f"SIG{signal_name(ctx.spec)}"))
+
+
+class Progress:
+    """Rank 0's progress line (done/total, rows/s, tokens/s, ETA) and the metrics "infer" records."""
+
+    def __init__(self, ctx: Context, metrics: MetricsWriter, total: int, done: int):
+        self.ctx, self.metrics, self.total, self.start_done = ctx, metrics, total, done
+        self.score = ctx.spec is not None and ctx.spec.infer.mode == "score"
+        self.done, self.prompt_tokens, self.completion_tokens, self.peak_gib = done, 0, 0, None
+        self.t0 = self.last = time.perf_counter()
+
+    def add(self, rows: float, prompt: float, completion: float, peaks: list[float]) -> None:
+        self.done += int(rows)
+        self.prompt_tokens += int(prompt)
+        self.completion_tokens += int(completion)
+        if any(p > 0 for p in peaks):
+            self.peak_gib = max(peaks) / 2 ** 30
+
+    def maybe_log(self, first: bool, last: bool) -> None:
+        now = time.perf_counter()
+        if not self.ctx.is_main or not (first or last or now - self.last >= LOG_EVERY_S):
+            return
+        self.last = now
+        dt = max(now - self.t0, 1e-9)
+        rows_s = (self.done - self.start_done) / dt
+        tok_s, prompt_s = self.completion_tokens / dt, self.prompt_tokens / dt
+        eta = (self.total - self.done) / rows_s if rows_s > 0 else None
+        self.metrics.write("infer", rows=self.done, rows_total=self.total, rows_per_s=rows_s, tokens_per_s=tok_s,
+                           prompt_tokens_per_s=prompt_s, tokens=self.completion_tokens, elapsed_s=dt,
+                           peak_mem_gib=self.peak_gib)
+        mem = f" | peak {self.peak_gib:.1f} GiB" if self.peak_gib is not None else ""
+        tokens = (f"{prompt_s:10,.0f} tok/s scored" if self.score else
+                  f"{tok_s:10,.0f} gen tok/s | {prompt_s:10,.0f} prompt tok/s")
+        log.info(f"rows {self.done:>{len(str(self.total))}}/{self.total} ({100 * self.done / self.total:5.1f}%) | "
+                 f"{rows_s:8.2f} rows/s | {tokens} | ETA {fmt_eta(eta)}{mem}")
+
+
+def fmt_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int, how: str) -> int:
+    """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
+    ending the step after another rank failed, which is that crash and is not requeued (as train)."""
+    from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
+
+    why = torn_down_by(spec, ctx.env, ctx.stop_flag.signum, ctx.run_dir)
+    if why is not None:
+        raise TornDown(why, 128 + signal.SIGTERM)
+    reason = stop_reason(spec, ctx.env)
+    metrics.write("stop", rows=rows_done, reason=reason, restart_count=ctx.env.restart_count)
+    log.info(f"{describe_stop(reason)}: stopped with {rows_done} rows written {how}")
+    requeue(ctx.env, spec, reason)
+    return EXIT_STOPPED
+
+
+def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
+               metrics: MetricsWriter, rows: Sequence[Row]) -> tuple[str, Progress]:
+    """This replica's batches; returns ('finished' | 'stopped', progress). Collective: every replica
+    goes round the loop the same number of times (the most batches any replica has left)."""
+    replicas, rank = ctx.world_size, ctx.rank
+    done = outputs.done_rows(paths, rows)
+    mine = [(b, batch) for b, batch in enumerate(batches) if b % replicas == rank]
+    todo = [(b, batch) for b, batch in mine if any(i not in done for i in batch)]
+    written_mine = sum(1 for _, batch in mine for i in batch if i in done)
+    # one collective: every replica's batches left and rows written, in its own slots
+    counts = [0.0] * (2 * replicas)
+    counts[2 * rank], counts[2 * rank + 1] = len(todo), written_mine
+    counts = all_sum(counts, ctx.device)
+    rounds, written = int(max(counts[0::2])), int(sum(counts[1::2]))
+    fresh = written == 0
+    if written:
+        metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
+        log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
+    progress = Progress(ctx, metrics, len(rows), written)
+    on_gpu = ctx.device.type == "cuda"
+    with outputs.ReplicaWriter(paths.replica_outputs(rank)) as writer:
+        for it in range(rounds):
+            result, new = None, []
+            if it < len(todo):
+                number, batch = todo[it]
+                result = engine.run(number, batch)
+                # a batch partly written before (a kill -9 mid-write) is redone whole: only its
+                # missing rows are written
+                new = [r for r in result.records if r["index"] not in done]
+                writer.write(new)
+            inject_signal(ctx, it + 1, fresh)
+            peaks = [0.0] * replicas
+            if on_gpu:
+                peaks[rank] = float(torch.cuda.max_memory_allocated(ctx.device))
+            totals = all_sum([1.0 if ctx.stop_flag.is_set else 0.0, len(new),
+                              result.prompt_tokens if result else 0, result.completion_tokens if result else 0,
+                              *peaks], ctx.device)
+            progress.add(totals[1], totals[2], totals[3], totals[4:])
+            last = it == rounds - 1
+            progress.maybe_log(it == 0, last)
+            if totals[0] > 0 and not last:
+                return "stopped", progress
+    return "finished", progress
+
+
+# ---------------------------------------------------------------- the task
+
+def run_infer(spec: Spec, paths: RunPaths) -> int:
+    set_cpu_threads()
+    with init(spec, paths, alone_group=False) as ctx:
+        if is_finished(ctx.run_dir):
+            log.info(f"{ctx.run_dir} finished earlier; nothing to do")
+            return 0
+        quiet_libraries(ctx)
+        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main)
+        try:
+            return _run(ctx, spec, paths, metrics)
+        finally:
+            if ctx.checkpoint is not None:
+                ctx.checkpoint.close()
+            metrics.close()
+
+
+def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> int:
+    from hpcgpu.runtime.requeue import mark_finished
+
+    inf = spec.infer
+    source = str(inf.input)
+    model_ref = spec.model.name_or_path or "model.config"
+    max_memory_cap(spec)  # a bad size fails now, not after the weights loaded
+    rows = read_rows(source, inf.mode)
+    digest = file_digest(source)
+    codec = Codec(load_infer_tokenizer(spec), model_ref)
+    ids = encode_rows(rows, codec, inf.mode, source)
+    config = model_config(spec)
+    check_rows_fit(rows, ids, config, inf.mode, inf.max_new_tokens, source, model_ref)
+    plan = settle_infer_plan(ctx, spec, paths, digest)
+    precision = plan.precision if plan is not None else infer_precision(
+        spec.model.dtype, ctx.device.type, ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
+    t0 = time.perf_counter()
+    model = build_model(spec, spec.train.seed, ctx.device, dtype=TORCH_DTYPES[precision], load_on_device=True)
+    model = model.to(ctx.device).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(f"model {model_ref}: {n_params / 1e6:.2f}M params, {precision}, on {ctx.device} x {ctx.world_size} "
+             f"replica(s), loaded in {time.perf_counter() - t0:.1f}s; {len(rows)} rows from {source}")
+    if plan is None:
+        plan = fresh_plan(ctx, spec, model, config, precision, ids, digest)
+    ctx.plan = plan
+    record_plan(ctx, plan, paths)  # a barrier first: every rank has read the recorded plan (or none)
+    if ctx.should_stop():
+        return stop_infer(ctx, spec, metrics, len(outputs.done_rows(paths, rows)), "(stopped while starting)")
+    batches = make_batches([len(s) for s in ids], plan.inference.batch_size)
+    if ctx.is_main:
+        outputs.repair_all(paths)
+    ctx.barrier()  # no replica reads the replica files before they are whole
+    engine = Engine(spec, model, codec, ids, rows, ctx.device)
+    with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
+                    enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
+        outcome, progress = infer_loop(ctx, spec, paths, engine, batches, metrics, rows)
+    if outcome == "stopped":
+        return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")
+    ctx.barrier()  # every replica's rows are on disk
+    if ctx.is_main:
+        out = outputs.merge(paths, rows)
+        mark_finished(ctx.run_dir, ctx.env)
+        elapsed = time.perf_counter() - progress.t0
+        metrics.write("end", rows=len(rows), rows_this_start=progress.done - progress.start_done,
+                      tokens=progress.completion_tokens, elapsed_s=elapsed)
+        log.info(f"wrote {out} ({len(rows)} rows)")
+    return 0
