@@ -49,7 +49,7 @@ from hpcgpu.runtime import infer_outputs as outputs
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.metrics import MetricsWriter
-from hpcgpu.runtime.model import build_model
+from hpcgpu.runtime.model import build_model, model_config
 from hpcgpu.runtime.plan import (DTYPE_BYTES, RunPlan, check_recorded, infer_precision, infer_row_bytes, plan_infer,
                                  recorded_plan, with_replicas)
 from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan, set_cpu_threads
@@ -189,26 +189,6 @@ def batch_seed(seed: int, batch: int) -> int:
 
 
 # ---------------------------------------------------------------- the model
-
-def model_config(spec: Spec) -> Any:
-    """The model's config without its weights (the rows are checked against it before they load)."""
-    from transformers import AutoConfig
-
-    if spec.model.name_or_path:
-        try:
-            config = AutoConfig.from_pretrained(spec.model.name_or_path)
-        except (OSError, ValueError, KeyError) as exc:
-            first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
-            raise HpcgpuError(f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {first}") from None
-    else:
-        cfg = dict(spec.model.config or {})
-        model_type = cfg.pop("model_type")
-        try:
-            config = AutoConfig.for_model(model_type, **cfg)
-        except (ValueError, TypeError) as exc:
-            raise HpcgpuError(f"model.config: {str(exc).split('. Should contain')[0]}") from None
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
 
 def row_bytes(config: Any, mode: str, max_tokens: int, precision: str) -> int:
     heads = getattr(config, "num_attention_heads", None) or 1
