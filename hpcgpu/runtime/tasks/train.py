@@ -8,6 +8,7 @@ and reused on resume: everything here reads the plan.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -559,6 +560,7 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
         quiet_libraries(ctx)
         plan = start_plan(ctx, spec, paths)
         metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main)
+        tr: Trainer | None = None
         try:
             tr = Trainer(ctx, spec, plan)
             log.info(describe(tr))
@@ -580,4 +582,11 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
         finally:
             ctx.checkpoint.close()
             metrics.close()
+            # The DDP reducer must not hold the last reference to the gloo process group when the
+            # context destroys it: freed from the reducer, the group's destructor joins its worker
+            # threads with the GIL held while a worker may need the GIL to free a finished barrier's
+            # tensors (a deadlock seen at exit). Freed here, the group goes through torch's wrapper,
+            # which releases the GIL first.
+            tr = None
+            gc.collect()
     return 0
