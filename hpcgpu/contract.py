@@ -51,10 +51,6 @@ class RunPaths:
     run_dir: Path
 
     @property
-    def spec(self) -> Path:
-        return self.run_dir / "spec.yaml"
-
-    @property
     def plan(self) -> Path:
         return self.run_dir / PLAN_FILE
 
@@ -71,14 +67,6 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     @property
-    def gpu_log(self) -> Path:
-        return self.run_dir / "gpu.jsonl"
-
-    @property
-    def model(self) -> Path:
-        return self.run_dir / "model"
-
-    @property
     def outputs(self) -> Path:
         """task: infer: one row per input row, in input order (merged at the end)."""
         return self.run_dir / "outputs.jsonl"
@@ -90,13 +78,6 @@ class RunPaths:
     @property
     def failures(self) -> Path:
         return self.run_dir / FAILURES_DIR
-
-    @property
-    def finished(self) -> Path:
-        return self.run_dir / FINISHED_MARKER
-
-    def rank_log(self, rank: int) -> Path:
-        return self.logs / f"rank-{rank}.log"
 
     @classmethod
     def in_job(cls, spec_path: Path | None, environ: Mapping[str, str] | None = None) -> "RunPaths":

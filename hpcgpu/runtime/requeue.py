@@ -15,8 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from hpcgpu.contract import (ENV_JOB_START, EXIT_FINISHED, EXIT_STOPPED, Failure, attempt_id,  # noqa: F401
-                             batch_signals, is_finished, read_failures, write_finished)
+from hpcgpu.contract import ENV_JOB_START, Failure, attempt_id, batch_signals, read_failures, write_finished
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_lead_s, signal_name, time_limit_s
