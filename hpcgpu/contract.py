@@ -41,6 +41,7 @@ ENV_KILL_IN_CHECKPOINT = "HPCGPU_KILL_IN_CHECKPOINT"  # drill: SIGKILL in the mi
 ENV_REGISTRY = "HPCGPU_REGISTRY"  # the job registry's file
 ENV_NVML_RECORDED = "HPCGPU_NVML_RECORDED"  # recorded GPU readings in place of the driver's
 ENV_DEBUG = "HPCGPU_DEBUG"  # tracebacks for errors
+ENV_NODE_GPUS = "HPCGPU_NODE_GPUS"  # the node's visible GPUs, where a task narrowed CUDA_VISIBLE_DEVICES to its group
 ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"  # a size (80G) that replaces each rank's GPU memory reading for the plan
 
 

@@ -1,5 +1,6 @@
 """`hpcgpu estimate SPEC`: GPU memory per rank under each strategy, and what fits; for task: infer,
-per model copy by weight format (float32, bfloat16, int8, int4) with the KV cache of the batch.
+per GPU of a model copy by weight format (float32, bfloat16, int8, int4) and gpus_per_replica (1, 2,
+4, 8) with the KV cache of the batch, and the gpus_per_replica submit would choose.
 
 Parameters are counted on the meta device (torch + transformers, imported here only: no weights are
 loaded, no GPU is needed). The memory model is in hpcgpu/gpu/estimate.py.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -15,11 +17,14 @@ import click
 from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import select
-from hpcgpu.gpu.estimate import (INFER_FORMATS, STRATEGIES, ModelDims, count_params, dims_from_config, estimate,
-                                 fits, fmt_bytes, infer_dims, infer_estimate, infer_max_batch, max_micro_batch,
-                                 parse_size, spec_weights_format, usable_bytes)
+from hpcgpu.gpu.estimate import (INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES, WEIGHTS_SHARE, GiB,
+                                 InferDims, MaxMemory, ModelDims, count_params, dims_from_config, estimate, fits,
+                                 fewest_gpus_per_replica, fmt_bytes, infer_dims, infer_split_estimate,
+                                 infer_split_max_batch, max_micro_batch, offloaded_bytes, parse_max_memory,
+                                 parse_size, replica_fits, spec_weights_format, usable_bytes, weight_bytes)
 from hpcgpu.gpu.source import default_source
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
+from hpcgpu.runtime.plan import INFER_BATCH_CAP
 from hpcgpu.spec import Spec, load_spec
 
 
@@ -70,7 +75,8 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
                  gpu_memory: str | None, micro_batch: int | None, prompt_tokens: int | None, as_json: bool) -> None:
     """Memory per GPU for SPEC under DDP and ZeRO-1/2/3 (with and without offload): weights, grads,
     optimizer states, buffers and activations; what fits, and the largest micro batch that does.
-    For task: infer, one model copy on one GPU by weight format: weights, KV cache, activations."""
+    For task: infer, per GPU of a model copy by weight format and gpus_per_replica: weights, KV cache,
+    activations; what fits, and the fewest GPUs a copy needs (gpus_per_replica: auto)."""
     # memory needs the model, the batch and data.seq_len, not the training text: no data.train required
     spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False)
     if spec.task not in ("train", "infer"):
@@ -148,69 +154,207 @@ def longest_row(spec: Spec) -> tuple[int | None, str]:
     return longest, f"the longest of {len(rows)} rows of infer.input"
 
 
+@dataclass(frozen=True)
+class InferSetup:
+    """What the infer table depends on besides the weight format and the width."""
+    d: InferDims
+    prompt: int
+    new: int
+    mode: str
+    fixed_batch: int | None  # infer.batch_size, None for auto
+    budget: int | None  # memory one GPU of a copy may use (MaxMemory.gpu_budget); None: unknown
+    cap: int | None  # infer.max_memory's per-GPU cap, None: auto
+    cpu: int  # CPU memory for offloaded weights (max_memory's cpu=), 0: none
+    gpus: int  # resources.gpus: GPUs per node
+    nodes: int
+
+    def replicas(self, g: int) -> int | None:
+        """Model copies at g GPUs a copy; None where g does not divide the GPUs of a node."""
+        return self.nodes * self.gpus // g if self.gpus % g == 0 else None
+
+
+def prompt_length(spec: Spec, prompt_tokens: int | None) -> tuple[int, str]:
+    if prompt_tokens:
+        return prompt_tokens, "--prompt-tokens"
+    measured, prompt_from = longest_row(spec)
+    if not measured:
+        return DEFAULT_PROMPT_TOKENS, f"not measured: {prompt_from}; --prompt-tokens sets it"
+    return measured, prompt_from
+
+
+def width_row(s: InferSetup, fmt: str, g: int) -> dict[str, Any]:
+    """Per-GPU memory of a copy in `fmt` split over g GPUs, at the spec's batch (auto: the largest that
+    fits, at most the job's cap), and whether it fits: the weights by the gpus_per_replica rule, the
+    batch within the budget."""
+    weights = weight_bytes(s.d, fmt)
+    off, rule, top = 0, None, None  # GPU memory unknown: nothing to check against
+    if s.budget is not None:
+        off = offloaded_bytes(weights, g, s.budget, s.cpu)
+        rule = replica_fits(weights, g, s.budget, s.cpu)
+        top = infer_split_max_batch(s.d, fmt, s.prompt, s.new, s.mode, g, s.budget, off) if rule else 0
+    batch = s.fixed_batch or max(1, min(top or 1, INFER_BATCH_CAP[s.mode]))
+    e = infer_split_estimate(s.d, fmt, batch, s.prompt, s.new, s.mode, g, off)
+    return {"gpus_per_replica": g, "possible": s.gpus % g == 0, "replicas": s.replicas(g), "batch": batch,
+            "weights": e.weights, "offloaded": off, "kv_cache": e.kv_cache, "activations": e.activations,
+            "total": e.total, "fits": None if s.budget is None else bool(rule and e.total <= s.budget),
+            "max_batch": top}
+
+
+def fewest_width(s: InferSetup, fmt: str) -> int | None:
+    """gpus_per_replica: auto for `fmt`, by the rule submit and the job use."""
+    if s.budget is None:
+        return None
+    return fewest_gpus_per_replica(weight_bytes(s.d, fmt), s.budget, s.gpus, s.cpu)
+
+
+def format_entry(s: InferSetup, fmt: str, chosen: str, widths: list[int]) -> dict[str, Any]:
+    """One weight format: its rows per width; the top-level keys are those of one GPU (width 1)."""
+    rows = [width_row(s, fmt, g) for g in widths]
+    one = {k: v for k, v in rows[0].items() if k not in ("gpus_per_replica", "possible", "replicas")}
+    return {"weights_format": fmt, "spec": fmt == chosen, **one, "copy_weights": weight_bytes(s.d, fmt),
+            "recommended_gpus_per_replica": fewest_width(s, fmt), "widths": rows}
+
+
+def suggestions(s: InferSetup, fmt: str) -> list[str]:
+    """What would fit when no width of a node does: smaller weights, CPU offload, more GPUs."""
+    assert s.budget is not None
+    out = []
+    for q in ("int8", "int4"):
+        g = fewest_width(s, q) if WEIGHT_BYTES[q] < WEIGHT_BYTES[fmt] else None
+        if g:
+            out.append(f"model.quantization: {q} ({gpus_text(g)} a copy)")
+    weights, room = weight_bytes(s.d, fmt), int(s.gpus * max(0, s.budget) * WEIGHTS_SHARE)
+    cap = "auto" if s.cap is None else fmt_bytes_gib(s.cap)
+    out.append(f"CPU offload, infer.max_memory: {cap},cpu={fmt_bytes_gib(weights - room)} (slow)")
+    more = next((1 << k for k in range(1, 12) if 1 << k > s.gpus and replica_fits(weights, 1 << k, s.budget, s.cpu)),
+                None)
+    if more:
+        out.append(f"more GPUs, resources.gpus: {more} (a copy over all {more})")
+    return out
+
+
+def gpus_text(g: int) -> str:
+    return "one GPU" if g == 1 else f"{g} GPUs"
+
+
+def copies_text(n: int | None) -> str:
+    return f"{n} {'copy' if n == 1 else 'copies'}"
+
+
+def fmt_bytes_gib(n: int) -> str:
+    """A size the spec takes, rounded up to a whole GiB."""
+    return f"{-(-n // GiB)}GiB"
+
+
+def recommend_infer(s: InferSetup, fmt: str, spec_g: int | str) -> dict[str, Any]:
+    """gpus_per_replica for the spec's weights: the fewest that fit, the copies that gives, the batch
+    there, the spec's own setting checked, and what to change when nothing fits."""
+    g = fewest_width(s, fmt)
+    row = width_row(s, fmt, g) if g else None
+    mine = width_row(s, fmt, spec_g) if isinstance(spec_g, int) else None
+    return {"weights_format": fmt, "gpus_per_replica": g, "replicas": s.replicas(g) if g else None,
+            "batch": row["batch"] if row else None, "batch_fits": row["fits"] if row else None,
+            "max_batch": row["max_batch"] if row else None, "spec_gpus_per_replica": spec_g,
+            "spec_setting_fits": mine["fits"] if mine else None,
+            "suggestions": suggestions(s, fmt) if s.budget is not None and not g else []}
+
+
 def estimate_infer(spec: Spec, gpu_total: int | None, gpu_what: str, prompt_tokens: int | None,
                    as_json: bool) -> None:
     n_params, cfg = count_params(spec)
     d = infer_dims(cfg, n_params)
     inf = spec.infer
-    if prompt_tokens:
-        prompt, prompt_from = prompt_tokens, "--prompt-tokens"
-    else:
-        measured, prompt_from = longest_row(spec)
-        prompt = measured or DEFAULT_PROMPT_TOKENS
-        if not measured:
-            prompt_from = f"not measured: {prompt_from}; --prompt-tokens sets it"
-    new = 0 if inf.mode == "score" else inf.max_new_tokens
+    prompt, prompt_from = prompt_length(spec, prompt_tokens)
+    max_memory = parse_max_memory(inf.max_memory)
+    s = InferSetup(d=d, prompt=prompt, new=0 if inf.mode == "score" else inf.max_new_tokens, mode=inf.mode,
+                   fixed_batch=inf.batch_size if isinstance(inf.batch_size, int) else None,
+                   budget=max_memory.gpu_budget(gpu_total), cap=max_memory.gpu, cpu=max_memory.cpu,
+                   gpus=spec.resources.gpus, nodes=spec.resources.nodes)
     chosen = spec_weights_format(spec)
     formats = [chosen if f == "bfloat16" and chosen == "float16" else f for f in INFER_FORMATS]
-    fixed_batch = inf.batch_size if isinstance(inf.batch_size, int) else None
-    table = []
-    for fmt in formats:
-        top = infer_max_batch(d, fmt, prompt, new, inf.mode, gpu_total) if gpu_total else None
-        batch = fixed_batch or max(1, top or 1)
-        e = infer_estimate(d, fmt, batch, prompt, new, inf.mode)
-        table.append({"weights_format": fmt, "spec": fmt == chosen, "batch": batch, "weights": e.weights,
-                      "kv_cache": e.kv_cache, "activations": e.activations, "total": e.total,
-                      "fits": e.total <= usable_bytes(gpu_total) if gpu_total else None, "max_batch": top,
-                      "in_this_version": fmt not in ("int8", "int4")})
-    mine = next(r for r in table if r["spec"])
-    too_long = d.context is not None and prompt + new > d.context
+    rec = recommend_infer(s, chosen, inf.gpus_per_replica)
+    extra = {g for g in (rec["gpus_per_replica"], inf.gpus_per_replica) if isinstance(g, int)}
+    widths = sorted(set(REPLICA_WIDTHS) | extra)
+    table = [format_entry(s, fmt, chosen, widths) for fmt in formats]
+    too_long = d.context is not None and prompt + s.new > d.context
     if as_json:
+        g = inf.gpus_per_replica if isinstance(inf.gpus_per_replica, int) else rec["gpus_per_replica"] or 1
         click.echo(json.dumps({"task": "infer", "params": n_params, "dims": d.__dict__, "mode": inf.mode,
-                               "prompt_tokens": prompt, "prompt_tokens_from": prompt_from, "new_tokens": new,
-                               "replicas": spec.world_size, "gpus_per_replica": 1, "gpu_memory": gpu_total,
-                               "usable": usable_bytes(gpu_total) if gpu_total else None,
-                               "exceeds_context": too_long, "formats": table}, indent=2))
+                               "prompt_tokens": prompt, "prompt_tokens_from": prompt_from, "new_tokens": s.new,
+                               "replicas": s.replicas(g), "gpus_per_replica": inf.gpus_per_replica,
+                               "recommended_gpus_per_replica": rec["gpus_per_replica"], "gpu_memory": gpu_total,
+                               "usable": usable_bytes(gpu_total) if gpu_total else None, "gpu_budget": s.budget,
+                               "cpu_offload": s.cpu, "exceeds_context": too_long, "formats": table,
+                               "recommended": rec}, indent=2))
         return
-    model = spec.model.name_or_path or (spec.model.config or {}).get("model_type")
-    click.echo(f"{spec.name}: {n_params / 1e6:,.2f}M parameters ({model}: {d.n_layers} layers, hidden {d.hidden}, "
-               f"{d.heads} heads, vocab {d.vocab}); {inf.mode}, {spec.world_size} replica(s) x 1 GPU")
-    click.echo(f"rows of {prompt} tokens ({prompt_from})" + (f" + {new} new" if new else "") +
-               (f"; batch {fixed_batch}" if fixed_batch else "; batch auto"))
+    print_infer_header(spec, s, n_params, prompt_from, gpu_total, gpu_what, max_memory)
     if too_long:
-        click.echo(f"warning: {prompt + new} tokens are more than the model's context of {d.context}")
+        click.echo(f"warning: {prompt + s.new} tokens are more than the model's context of {d.context}")
+    print_widths_table(s, table)
+    print_recommended(s, rec, gpu_what)
+
+
+def print_infer_header(spec: Spec, s: InferSetup, n_params: int, prompt_from: str, gpu_total: int | None,
+                       gpu_what: str, max_memory: MaxMemory) -> None:
+    d, model = s.d, spec.model.name_or_path or (spec.model.config or {}).get("model_type")
+    click.echo(f"{spec.name}: {n_params / 1e6:,.2f}M parameters ({model}: {d.n_layers} layers, hidden {d.hidden}, "
+               f"{d.heads} heads, vocab {d.vocab}); {s.mode}, {s.nodes} node(s) x {s.gpus} GPU(s), "
+               f"gpus_per_replica {spec.infer.gpus_per_replica}")
+    click.echo(f"rows of {s.prompt} tokens ({prompt_from})" + (f" + {s.new} new" if s.new else "") +
+               (f"; batch {s.fixed_batch}" if s.fixed_batch else "; batch auto"))
     if gpu_total:
         click.echo(f"GPU: {fmt_bytes(gpu_total)} ({gpu_what}), {fmt_bytes(usable_bytes(gpu_total))} usable "
                    "after the CUDA context and allocator slack")
-    click.echo("memory of one model copy on one GPU (gpus_per_replica 1):")
-    cols = ("weights", "kv_cache", "activations", "total")
-    click.echo(f"  {'weights as':<20}{'batch':>7}" + "".join(f"{c.replace('_', ' '):>13}" for c in cols)
-               + f"{'fits':>6}{'max batch':>11}")
-    for r in table:
-        name = r["weights_format"] + (" (spec)" if r["spec"] else "" if r["in_this_version"] else " (later)")
-        fit = "?" if r["fits"] is None else "yes" if r["fits"] else "no"
-        top = "-" if r["max_batch"] is None else str(r["max_batch"])
-        click.echo(f"  {name:<20}{r['batch']:>7}" + "".join(f"{fmt_bytes(r[c]):>13}" for c in cols)
-                   + f"{fit:>6}{top:>11}")
-    click.echo("  (later): int8/int4 weights are not in this version" +
-               ("" if fixed_batch else "; batch auto: the largest that fits"))
-    if not gpu_total:
-        click.echo(f"{gpu_what}: give --gpu-memory (e.g. 80G) to check fit")
-    elif mine["max_batch"]:
-        batch = fixed_batch or mine["max_batch"]
-        verdict = "fits" if mine["fits"] else \
-            f"does not fit at batch {fixed_batch}; use batch_size <= {mine['max_batch']}"
-        click.echo(f"{mine['weights_format']} weights, one GPU per replica, batch {batch}: {verdict}")
+    if max_memory.gpu is not None:
+        click.echo(f"infer.max_memory: a GPU of a copy may use {fmt_bytes(s.budget)}")
+    if s.cpu:
+        click.echo(f"infer.max_memory: up to {fmt_bytes(s.cpu)} of a copy's weights offloaded to CPU memory")
+
+
+def print_widths_table(s: InferSetup, table: list[dict[str, Any]]) -> None:
+    click.echo("memory per GPU of a model copy split over gpus_per_replica GPUs (weights and KV cache divide, "
+               "activations do not):")
+    cols = ("weights",) + (("offloaded",) if s.cpu else ()) + ("kv_cache", "activations", "total")
+    click.echo(f"  {'weights as':<17}{'gpus':>5}{'copies':>7}{'batch':>7}"
+               + "".join(f"{c.replace('_', ' '):>12}" for c in cols) + f"{'fits':>6}{'max batch':>11}")
+    for entry in table:
+        for i, r in enumerate(entry["widths"]):
+            name = entry["weights_format"] + (" (spec)" if entry["spec"] else "") if i == 0 else ""
+            fit = "?" if r["fits"] is None else "yes" if r["fits"] else "no"
+            top = "-" if not r["max_batch"] else str(r["max_batch"])
+            copies = "-" if r["replicas"] is None else str(r["replicas"])
+            click.echo(f"  {name:<17}{r['gpus_per_replica']:>5}{copies:>7}{r['batch']:>7}"
+                       + "".join(f"{fmt_bytes(r[c]):>12}" for c in cols) + f"{fit:>6}{top:>11}")
+    notes = [] if s.budget is None else [f"fits: weights within {WEIGHTS_SHARE:.0%} of each GPU"
+                                         + (" (and CPU memory)" if s.cpu else "") + ", the batch within the rest"]
+    if not s.fixed_batch:
+        notes.append(f"batch auto: the largest that fits, at most {INFER_BATCH_CAP[s.mode]}")
+    if any(not r["possible"] for r in table[0]["widths"]):
+        notes.append(f"copies -: the width does not divide resources.gpus ({s.gpus})")
+    if notes:
+        click.echo("  " + "; ".join(notes))
+
+
+def print_recommended(s: InferSetup, rec: dict[str, Any], gpu_what: str) -> None:
+    fmt, g, spec_g = rec["weights_format"], rec["gpus_per_replica"], rec["spec_gpus_per_replica"]
+    if s.budget is None:
+        click.echo(f"{gpu_what}: give --gpu-memory (e.g. 80G) to check fit; gpus_per_replica auto is decided at "
+                   "submit from the GPU memory (1 when it is unknown)")
+        return
+    if g is None:
+        click.echo(f"DOES NOT FIT: {fmt} weights ({fmt_bytes(weight_bytes(s.d, fmt))}) need more than the "
+                   f"{gpus_text(s.gpus)} of a node; try " + "; or ".join(rec["suggestions"]))
     else:
-        click.echo(f"DOES NOT FIT: {mine['weights_format']} weights and one row need more than one GPU; a model "
-                   "spread over several GPUs (gpus_per_replica) and int8/int4 weights are not in this version")
+        click.echo(f"recommended: gpus_per_replica {g} (the fewest that hold the {fmt} weights) -> "
+                   f"{copies_text(rec['replicas'])} over {s.nodes} node(s) x {s.gpus} GPU(s)")
+        verdict = "fits" if rec["batch_fits"] else \
+            f"does not fit; use batch_size <= {rec['max_batch']}" if rec["max_batch"] else \
+            f"does not fit: not even one row of {s.prompt + s.new} tokens beside the weights"
+        click.echo(f"{fmt} weights, {gpus_text(g)} per replica, batch {rec['batch']}: {verdict}")
+        if g > 1 and spec_g == "auto" and s.cap is None:
+            click.echo(f"  for a SLURM job set infer.gpus_per_replica: {g} (or infer.max_memory): submit cannot see "
+                       "the cluster's GPUs and takes auto as 1 without a cap")
+    if isinstance(spec_g, int):
+        mine = "fits" if rec["spec_setting_fits"] else "does not fit"
+        click.echo(f"infer.gpus_per_replica: {spec_g} (the spec's) {mine}" +
+                   ("" if rec["spec_setting_fits"] or g is None else f"; {g} does"))

@@ -1,4 +1,5 @@
-"""`hpcgpu report RUN_DIR`: a PNG of the run (loss, tokens/s, GPU use) and a text summary. No torch."""
+"""`hpcgpu report RUN_DIR`: a PNG of the run (train: loss, tokens/s; infer: rows and rows/s, tokens/s;
+GPU use) and a text summary. No torch."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,11 @@ from hpcgpu.errors import UsageError
 @click.option("--json", "as_json", is_flag=True, help="The summary as JSON.")
 def report(run_dir: str, output: str | None, as_json: bool) -> None:
     """Plot a run: train/eval loss, tokens/s, and per-GPU utilization, memory and power over time
-    (from metrics.jsonl and gpu.jsonl); print steps, tokens, mean tokens/s, MFU, peak memory, restarts."""
+    (from metrics.jsonl and gpu.jsonl); print steps, tokens, mean tokens/s, MFU, peak memory, restarts.
+
+    A task: infer run: rows done, rows/s and tokens/s (generated; scored in mode score) over wall
+    time, stops and resumes marked, and the same GPU panels; print rows done/total, mean rows/s and
+    tokens/s, peak memory, restarts and whether outputs.jsonl is complete (FINISHED)."""
     from hpcgpu.report import write_report
 
     if output and not Path(output).resolve().parent.is_dir():

@@ -9,6 +9,7 @@ import click
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.errors import UsageError
 from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.replicas import resolve_gpus_per_replica
 from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_dir_error, write_atomic
 from hpcgpu.launch.sbatch import render_sbatch
 
@@ -30,6 +31,7 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     # env_passthrough only warns: the script takes the values from the shell that runs `sbatch` later
     check_host(spec, passthrough="warn", warn=lambda message: click.echo(f"hpcgpu: {message}", err=True),
                when="in the shell that runs sbatch")
+    spec = resolve_gpus_per_replica(spec, local=False, say=lambda message: click.echo(f"hpcgpu: {message}", err=True))
     run_dir = run_dir_path(spec)
     spec_path = run_dir / "spec.yaml"
     text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))

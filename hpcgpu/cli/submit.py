@@ -11,6 +11,7 @@ from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.launch.jobs import log_files
 from hpcgpu.launch.registry import JobRecord, Registry
 from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.replicas import resolve_gpus_per_replica
 from hpcgpu.launch.sweep import sweep_tasks, with_sweep
 from hpcgpu.spec import Spec, dump_spec
 
@@ -37,6 +38,7 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     spec = with_sweep(read_spec(spec_file, overrides, gpus, nodes), sweeps)
     # what the job would fail on after its wait in the queue, found here (one line, exit 2)
     check_host(spec, passthrough="warn" if dry_run else "error", slurm=executor == "slurm", warn=say)
+    spec = resolve_gpus_per_replica(spec, local=executor == "local", say=say)
     spec_ref = str(Path(spec_file).resolve())
     if executor == "local":
         return run_here(spec, spec_ref, dry_run, fresh, ignore_busy)
@@ -112,7 +114,7 @@ def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy:
         click.echo(dump_spec(spec), nl=False)
         for task in tasks:
             click.echo(f"# sweep task {task.index}: {task.label()}")
-        click.echo(f"# would run {spec.resources.gpus} local rank(s): python -m hpcgpu run <run dir>/spec.yaml"
+        click.echo(f"# would run {spec.world_size} local rank(s): python -m hpcgpu run <run dir>/spec.yaml"
                    + (f", for each of {len(tasks)} sweep tasks in turn" if tasks else ""))
         return 0
     from hpcgpu.launch import local_submit

@@ -5,6 +5,7 @@ import click
 
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.replicas import resolve_gpus_per_replica
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.spec import dump_spec
 
@@ -16,12 +17,15 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
     """Check SPEC and print what it resolves to."""
     spec = read_spec(spec_file, overrides, gpus, nodes)
     check_host(spec)  # input files, model type, runs_dir: what the job would fail on, found here
+    spec = resolve_gpus_per_replica(spec, local=False)
     r = spec.resources
     click.echo(f"{spec_file}: ok")
     click.echo(f"  name      {spec.name}")
     click.echo(f"  task      {spec.task}")
-    click.echo(f"  ranks     {spec.world_size} ({r.nodes} node(s) x {r.gpus} GPU(s), "
-               f"{r.cpus_per_gpu} CPU(s) per rank)")
+    per = spec.gpus_per_task
+    click.echo(f"  ranks     {spec.world_size} ({r.nodes} node(s) x {r.gpus} GPU(s)"
+               + (f", one model copy per {per} GPUs" if per > 1 else "") +
+               f", {r.cpus_per_gpu * per} CPU(s) per rank)")
     click.echo(f"  time      {r.time}")
     click.echo(f"  strategy  {spec.distributed.strategy}")
     if spec.task == "train":

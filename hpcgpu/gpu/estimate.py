@@ -365,3 +365,94 @@ def spec_weights_format(spec: Spec) -> str:
     if spec.model.quantization != "none":
         return spec.model.quantization
     return "bfloat16" if spec.model.dtype == "auto" else spec.model.dtype
+
+
+# ---------------------------------------------------------------- a model copy over several GPUs
+#
+# gpus_per_replica: the layers of one copy are spread over g GPUs of a node (accelerate's planner,
+# device_map="auto"), optionally with a part on the CPU (max_memory "...,cpu=SIZE"). A split fits when
+# the weights take at most WEIGHTS_SHARE of the g GPUs' usable memory (plus the CPU part): the rest
+# holds a batch's KV cache and activations. The one rule for `estimate`, `submit` (auto) and the job.
+#
+# Per GPU of a width-g split (infer_split_estimate), for the table `hpcgpu estimate` shows:
+#   weights      (weights - offloaded) / g: each GPU holds its share of the layers; offloaded is the part
+#                accelerate puts in CPU memory (max_memory cpu=), what WEIGHTS_SHARE of the g GPUs leaves
+#   KV cache     / g: a layer's K and V live on the GPU of that layer
+#   activations  not divided: the whole batch passes through every GPU in turn
+
+REPLICA_WIDTHS = (1, 2, 4, 8)  # the widths `hpcgpu estimate` shows
+WEIGHTS_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class MaxMemory:
+    """infer.max_memory: a per-GPU cap (None: auto, the GPU's free memory less headroom) and the CPU
+    memory the weights may be offloaded to (0: none)."""
+    gpu: int | None = None
+    cpu: int = 0
+
+    def gpu_budget(self, gpu_total: int | None) -> int | None:
+        """The memory one GPU of a replica may use: the cap, else the card's usable memory."""
+        if self.gpu is not None:
+            return self.gpu if gpu_total is None else min(self.gpu, usable_bytes(gpu_total))
+        return usable_bytes(gpu_total) if gpu_total else None
+
+
+def parse_max_memory(text: str) -> MaxMemory:
+    """'auto', '70GiB', '70GiB,cpu=200GiB' or 'auto,cpu=100G' -> MaxMemory; a bad one names the key."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        gpu = None if parts[0] == "auto" else parse_size(parts[0])
+        cpu = 0
+        for extra in parts[1:]:
+            key, sep, value = extra.partition("=")
+            if key.strip() != "cpu" or not sep:
+                raise HpcgpuError(extra)
+            cpu = parse_size(value.strip())
+    except HpcgpuError:
+        raise HpcgpuError(f"infer.max_memory: {text!r} is not auto or a size like 70GiB, optionally followed by "
+                          "',cpu=SIZE' (weights offloaded to CPU memory)") from None
+    return MaxMemory(gpu, cpu)
+
+
+def replica_fits(weights: int, gpus: int, gpu_budget: int, cpu_bytes: int = 0) -> bool:
+    return weights <= gpus * gpu_budget * WEIGHTS_SHARE + cpu_bytes
+
+
+def fewest_gpus_per_replica(weights: int, gpu_budget: int, gpus_per_node: int, cpu_bytes: int = 0) -> int | None:
+    """The fewest GPUs of a node (a divisor of gpus_per_node: every GPU serves a replica) one copy of
+    `weights` bytes fits on; None: not even all of them."""
+    for g in range(1, gpus_per_node + 1):
+        if gpus_per_node % g == 0 and replica_fits(weights, g, gpu_budget, cpu_bytes):
+            return g
+    return None
+
+
+def config_weight_bytes(cfg: Any, weights_format: str) -> int:
+    """The weights of a model config (dict or object) as loaded in `weights_format`, without torch."""
+    return weight_bytes(infer_dims(cfg), weights_format)
+
+
+def offloaded_bytes(weights: int, gpus: int, gpu_budget: int, cpu_bytes: int = 0) -> int:
+    """The part of a copy's weights put in CPU memory: what WEIGHTS_SHARE of the `gpus` GPUs' budget
+    does not hold, at most cpu_bytes (0 without max_memory's cpu=)."""
+    return min(cpu_bytes, max(0, weights - int(gpus * gpu_budget * WEIGHTS_SHARE)))
+
+
+def infer_split_estimate(d: InferDims, weights_format: str, batch: int, prompt: int, new: int,
+                         mode: str = "generate", gpus: int = 1, offloaded: int = 0) -> InferEstimate:
+    """Memory of one GPU of a copy whose layers are split over `gpus` GPUs: the weights on GPUs and the
+    KV cache divide, the activations do not (see the section comment)."""
+    e = infer_estimate(d, weights_format, batch, prompt, new, mode)
+    return InferEstimate(weights_format, batch, e.prompt_tokens, e.new_tokens, -(-(e.weights - offloaded) // gpus),
+                         -(-e.kv_cache // gpus), e.activations)
+
+
+def infer_split_max_batch(d: InferDims, weights_format: str, prompt: int, new: int, mode: str, gpus: int,
+                          gpu_budget: int, offloaded: int = 0) -> int:
+    """The largest batch whose per-GPU estimate of a width-`gpus` split is within gpu_budget (0: not even
+    one row). Linear in the batch."""
+    fixed = infer_split_estimate(d, weights_format, 0, prompt, new, mode, gpus, offloaded).total
+    per_row = infer_split_estimate(d, weights_format, 1, prompt, new, mode, gpus, offloaded).total - fixed
+    room = gpu_budget - fixed
+    return max(0, room // per_row) if per_row else 0

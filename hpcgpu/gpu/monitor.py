@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
+from hpcgpu.contract import ENV_NODE_GPUS
 from hpcgpu.gpu.busy import select
 from hpcgpu.gpu.estimate import GiB
 from hpcgpu.gpu.readings import GpuReading, GpuSource
@@ -104,7 +105,9 @@ class GpuMonitor:
             if not source.available():
                 log.info("gpu monitor: no NVIDIA driver (NVML) here; gpu.jsonl is not written")
                 return
-            chosen, _ = select(source.read(processes=False), self.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            # a task bound to its group of GPUs still watches the node's (HPCGPU_NODE_GPUS)
+            visible = os.environ.get(ENV_NODE_GPUS, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            chosen, _ = select(source.read(processes=False), self.devices, visible)
             self._indices = [r.index for r in chosen]
             if not self._indices:
                 log.info("gpu monitor: no GPU visible to this job; gpu.jsonl is not written")

@@ -6,7 +6,8 @@ One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM
   a path);
 - task: infer: every row of infer.input is valid (hpcgpu/infer_rows.py, the reader the job uses: the
   first bad row as file:line; rows with "messages" need a tokenizer with a chat template), a local model
-  folder holds a config.json and a tokenizer, infer.max_memory is a size;
+  folder holds a config.json and a tokenizer, infer.max_memory is readable, model.quantization can run
+  (bitsandbytes installed; the local executor has a GPU);
 - model.config.model_type is a model type the installed transformers knows. The list comes from
   transformers' config mapping, asked in a subprocess (it imports torch) and cached on disk per
   transformers version, so these commands never import transformers or torch themselves; without
@@ -111,15 +112,15 @@ def has_chat_template(folder: Path) -> bool:
 
 
 def max_memory_problem(spec: Spec) -> str | None:
-    """infer.max_memory must be auto or a size the job can read (the job's own parser)."""
+    """infer.max_memory must be one the job can read (the job's own parser)."""
     if spec.task != "infer" or spec.infer.max_memory == "auto":
         return None
-    from hpcgpu.gpu.estimate import parse_size
+    from hpcgpu.gpu.estimate import parse_max_memory
 
     try:
-        parse_size(spec.infer.max_memory)
-    except HpcgpuError:
-        return f"infer.max_memory: {spec.infer.max_memory!r} is not a size like 70GiB or auto"
+        parse_max_memory(spec.infer.max_memory)
+    except HpcgpuError as exc:
+        return str(exc)
     return None
 
 
@@ -269,11 +270,15 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
     passthrough: "error" (submit), "warn" (sbatch, --dry-run) or "skip" (validate); `when` tells the
     user when the variables must be set.
     """
+    from hpcgpu.launch.replicas import quantization_problem
     from hpcgpu.launch.sweep import sweep_tasks
 
     specs = [task.spec for task in sweep_tasks(spec)] or [spec]
     seen: set[tuple[str, str]] = set()
     for one in specs:
+        problem = quantization_problem(one, local=not slurm)  # what the spec asks for can run here at all
+        if problem:
+            raise SpecError("", problem)
         for key, value in input_paths(one):
             if (key, value) not in seen:
                 seen.add((key, value))

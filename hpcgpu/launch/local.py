@@ -74,7 +74,7 @@ def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus
         "SLURM_TASKS_PER_NODE": str(world),
         "SLURM_NNODES": "1",
         "SLURM_JOB_NODELIST": "localhost",
-        "SLURM_CPUS_PER_TASK": str(spec.resources.cpus_per_gpu),
+        "SLURM_CPUS_PER_TASK": str(spec.resources.cpus_per_gpu * spec.gpus_per_task),
         "SLURM_RESTART_COUNT": str(restart_count),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -86,8 +86,11 @@ def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus
         env.pop(key, None)  # a local run inside an allocation must not look like its parent job
     if gpus:
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # device ids mean what nvidia-smi/NVML show
-        chosen = ",".join(gpus[:world])
-        env.update({"CUDA_VISIBLE_DEVICES": chosen, "SLURM_JOB_GPUS": chosen, "SLURM_GPUS_ON_NODE": str(world)})
+        # every rank sees the job's GPUs, as under SLURM's --gres; a model copy over several GPUs
+        # takes its own group of them by its local id (runtime/env.py bind_gpu_group)
+        chosen = gpus[:spec.resources.gpus]
+        env.update({"CUDA_VISIBLE_DEVICES": ",".join(chosen), "SLURM_JOB_GPUS": ",".join(chosen),
+                    "SLURM_GPUS_ON_NODE": str(len(chosen))})
     env.update(spec.env)
     return env
 
@@ -122,10 +125,11 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
             return start_ranks(spec, spec_path, run_dir, job_id, echo, restart_count, own)
     if spec.resources.nodes > 1:
         raise HpcgpuError("the local executor runs on one node: use --nodes 1 (or submit to SLURM)")
-    world = spec.resources.gpus
+    world = spec.tasks_per_node
     gpus = local_gpus(spec)
-    if gpus and len(gpus) < world:
-        raise HpcgpuError(f"--gpus {world}: only {len(gpus)} GPU(s) here ({','.join(gpus)}); ask for fewer")
+    if gpus and len(gpus) < spec.resources.gpus:
+        raise HpcgpuError(f"--gpus {spec.resources.gpus}: only {len(gpus)} GPU(s) here ({','.join(gpus)}); "
+                          "ask for fewer")
     port = free_port()
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,9 @@ def sbatch_options(spec: Spec, run_dir: Path, array: str | None = None) -> list[
     opts: list[tuple[str, str | None]] = [
         ("job-name", spec.name),
         ("nodes", str(r.nodes)),
-        ("ntasks-per-node", str(r.gpus)),
+        ("ntasks-per-node", str(spec.tasks_per_node)),
         gpu_request(spec),
-        ("cpus-per-task", str(r.cpus_per_gpu)),
+        ("cpus-per-task", str(r.cpus_per_gpu * spec.gpus_per_task)),
     ]
     mem = mem_per_node(spec)
     if mem:

@@ -81,8 +81,9 @@ def render_body(spec: Spec, run_dir: Path, spec_path: Path, python: str | None =
     user_port = spec.env.get("MASTER_PORT")
     return _template("job-body.sh").substitute(
         array_block=array_block(array) if array else "",
-        gpus=r.gpus,
-        cpus=r.cpus_per_gpu,
+        tasks=spec.tasks_per_node,
+        cpus=r.cpus_per_gpu * spec.gpus_per_task,
+        launch_what=launch_what(spec),
         spec_path_q='"$spec_path"' if array else shlex.quote(str(spec_path)),
         run_dir_q='"$run_dir"' if array else shlex.quote(str(run_dir)),
         setup="\n".join(spec.slurm.setup) if spec.slurm.setup else "# (none)",
@@ -95,6 +96,16 @@ def render_body(spec: Spec, run_dir: Path, spec_path: Path, python: str | None =
     )
 
 
+def launch_what(spec: Spec) -> str:
+    """The comment above srun: what one task is."""
+    g = spec.gpus_per_task
+    if g == 1:
+        return "one task per GPU, all running the same entrypoint"
+    return (f"one task per model copy of {g} GPUs (infer.gpus_per_replica), all running the same entrypoint; "
+            f"every task sees the node's GPUs and takes GPUs [{g}*SLURM_LOCALID, {g}*SLURM_LOCALID+{g}) of "
+            "them (CUDA_VISIBLE_DEVICES narrowed in the task)")
+
+
 def render_sbatch(spec: Spec, run_dir: Path, spec_path: Path, python: str | None = None,
                   script_hint: str = "job.sbatch") -> str:
     r = spec.resources
@@ -104,6 +115,7 @@ def render_sbatch(spec: Spec, run_dir: Path, spec_path: Path, python: str | None
         world=spec.world_size,
         nodes=r.nodes,
         gpus=r.gpus,
+        replicas=f", {spec.world_size} model copies of {spec.gpus_per_task} GPUs" if spec.gpus_per_task > 1 else "",
         script_hint=shlex.quote(re.sub(r"[\x00-\x1f]", "?", script_hint)),
         spec_path=spec_path,
         directives=render_directives(sbatch_options(spec, run_dir)),

@@ -15,7 +15,7 @@ import torch
 from hpcgpu.contract import ENV_SPEC, RunPaths
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
-from hpcgpu.runtime.env import DistEnv
+from hpcgpu.runtime.env import DistEnv, bind_gpu_group
 from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
 from hpcgpu.spec import Spec, dump_spec, load_spec
@@ -92,7 +92,7 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     alone. None: when the spec says distributed.strategy: deepspeed (the user's own code); the train
     task passes False and starts it after its run plan chose DeepSpeed (strategy: auto may)."""
     spec_obj, spec_path = _resolve_spec(spec)
-    env = DistEnv.from_environ()
+    env = bind_gpu_group(DistEnv.from_environ(gpus_per_task=spec_obj.gpus_per_task if spec_obj else 1))
     setup_logging(env)
     device = _dist.select_device(env)
     if alone_group is None:

@@ -5,12 +5,13 @@ allocation is one clear error instead of a hang.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from hpcgpu.contract import ENV_LAUNCHER
+from hpcgpu.contract import ENV_LAUNCHER, ENV_NODE_GPUS
 from hpcgpu.errors import EnvironmentError_
 from hpcgpu.hostlist import expand_hostlist, port_for_job
 
@@ -34,6 +35,7 @@ class DistEnv:
     array_task_id: str | None = None
     hosts: tuple[str, ...] = field(default_factory=tuple)
     visible_devices: tuple[str, ...] | None = None  # CUDA_VISIBLE_DEVICES as given, None if unset
+    gpus_per_task: int = 1  # a model copy over several GPUs (task: infer): its group, once bound
 
     @property
     def is_main(self) -> bool:
@@ -70,7 +72,7 @@ class DistEnv:
         """
         if gpu_count <= 0:
             return None
-        if gpu_count == 1:
+        if gpu_count == 1 or self.gpus_per_task > 1:  # a bound group: its first GPU leads
             return 0
         if self.local_rank >= gpu_count:
             raise EnvironmentError_(
@@ -80,7 +82,8 @@ class DistEnv:
         return self.local_rank
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None, gpus_per_task: int = 1) -> "DistEnv":
+        """gpus_per_task: GPUs one task spans (infer.gpus_per_replica); the group is bound later."""
         env = os.environ if environ is None else environ
         launcher = env.get(ENV_LAUNCHER, "")
         if launcher and launcher not in LAUNCHERS:
@@ -94,6 +97,7 @@ class DistEnv:
         else:
             out = cls(launcher="single", master_port=_port(env, None), visible_devices=_visible(env),
                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"))
+        out = dataclasses.replace(out, gpus_per_task=gpus_per_task) if gpus_per_task > 1 else out
         out.check()
         return out
 
@@ -108,10 +112,39 @@ class DistEnv:
                 f"{self.local_world_size} tasks on this node but only {self.world_size} in the job")
         if not 1 <= self.master_port <= 65535:
             raise EnvironmentError_(f"MASTER_PORT={self.master_port} is not a port (1-65535)")
+        if self.gpus_per_task > 1:
+            return  # bind_gpu_group checks the GPUs a group needs
         if self.visible_devices and self.local_world_size > len(self.visible_devices) > 1:
             raise EnvironmentError_(
                 f"{self.local_world_size} tasks on this node but only {len(self.visible_devices)} GPUs visible "
                 f"(CUDA_VISIBLE_DEVICES={','.join(self.visible_devices)}); ask for one task per GPU")
+
+
+def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None) -> DistEnv:
+    """A task spanning several GPUs (a model copy over gpus_per_task GPUs) keeps only its own group
+    visible: GPUs [g * local rank, g * local rank + g) of those the node's tasks all see (SLURM's
+    --gres, the local executor), or all it sees where SLURM bound the task to its g GPUs already.
+    Before CUDA starts (torch reads CUDA_VISIBLE_DEVICES once). The node's list stays in
+    HPCGPU_NODE_GPUS for the GPU monitor."""
+    g = env.gpus_per_task
+    if g <= 1 or env.visible_devices == ():  # CUDA_VISIBLE_DEVICES="": CPU ranks, on purpose
+        return env
+    target = os.environ if environ is None else environ
+    visible = env.visible_devices
+    if visible is None:  # nothing set: the node's GPUs in order, as many as its tasks need
+        visible = tuple(str(i) for i in range(env.local_world_size * g))
+    if len(visible) == g:
+        group = visible
+    elif len(visible) >= env.local_world_size * g:
+        group = visible[env.local_rank * g: (env.local_rank + 1) * g]
+    else:
+        raise EnvironmentError_(
+            f"{env.local_world_size} model copies of {g} GPUs on this node need {env.local_world_size * g} GPUs, but "
+            f"{len(visible)} are visible (CUDA_VISIBLE_DEVICES={','.join(visible)}); ask for resources.gpus = "
+            "infer.gpus_per_replica x copies per node")
+    target.setdefault(ENV_NODE_GPUS, ",".join(visible))
+    target["CUDA_VISIBLE_DEVICES"] = ",".join(group)
+    return dataclasses.replace(env, visible_devices=group)
 
 
 def _in_slurm_step(env: Mapping[str, str]) -> bool:

@@ -72,3 +72,116 @@ def model_config(spec: Spec) -> Any:
     else:
         config = config_of_spec(spec)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+# ---------------------------------------------------------------- task: infer on GPUs
+
+def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The inference model in eval mode: on `device` whole (one GPU, a CPU rank), or placed by
+    accelerate's planner over the replica's GPUs (gpus_per_replica > 1, a max_memory cap, CPU
+    offload) with int8/int4 weights where model.quantization says so. The replica's GPUs are all
+    this process sees (runtime/env.py bind_gpu_group)."""
+    from hpcgpu.gpu.estimate import parse_max_memory
+
+    q = spec.model.quantization
+    if device.type != "cuda":
+        if q != "none":
+            raise HpcgpuError(f"model.quantization: {q} runs on a GPU only (bitsandbytes), and this rank has none; "
+                              "use quantization: none")
+        return build_model(spec, spec.train.seed, device, dtype=dtype).to(device).eval()
+    cap = parse_max_memory(spec.infer.max_memory)
+    placed = spec.gpus_per_task > 1 or cap.cpu or cap.gpu is not None or q != "none"
+    if not placed:
+        return build_model(spec, spec.train.seed, device, dtype=dtype, load_on_device=True).to(device).eval()
+    max_memory = replica_max_memory(cap.gpu, cap.cpu)
+    spread = spec.gpus_per_task > 1 or bool(cap.cpu)
+    device_map: Any = "auto" if spread else {"": 0}
+    if not spec.model.name_or_path:  # model.config: random weights, built here, then placed
+        from accelerate import dispatch_model, infer_auto_device_map
+
+        model = build_model(spec, spec.train.seed, None, dtype=dtype)
+        if spread:
+            device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                               no_split_module_classes=getattr(model, "_no_split_modules", None))
+        return dispatch_model(model, device_map=device_map).eval()
+    kwargs: dict[str, Any] = dict(device_map=device_map, max_memory=max_memory, dtype=dtype)
+    if q != "none":
+        kwargs["quantization_config"] = bnb_config(q, dtype)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, **kwargs).eval()
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+        raise cannot_load(spec, exc) from None
+
+
+HEADROOM_FRACTION = 0.15  # of a GPU's free memory kept from the weights: the KV cache and activations of a batch
+
+
+def replica_max_memory(gpu_cap: int | None, cpu_bytes: int) -> dict[Any, int]:
+    """accelerate's max_memory for this replica's GPUs: the cap, else each GPU's free memory less headroom."""
+    out: dict[Any, int] = {}
+    for i in range(torch.cuda.device_count()):
+        free = int(torch.cuda.mem_get_info(i)[0])
+        out[i] = min(gpu_cap, free) if gpu_cap is not None else int(free * (1 - HEADROOM_FRACTION))
+    if cpu_bytes:
+        out["cpu"] = cpu_bytes
+    return out
+
+
+def bnb_config(quantization: str, compute_dtype: torch.dtype) -> Any:
+    try:
+        import bitsandbytes  # noqa: F401  (transformers names a missing one less plainly)
+        from transformers import BitsAndBytesConfig
+    except ImportError as exc:
+        raise HpcgpuError(f"model.quantization: {quantization} needs bitsandbytes ({exc}): "
+                          "pip install 'hpcgpu[quant]'") from None
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                              bnb_4bit_use_double_quant=False)
+
+
+def placement(model: torch.nn.Module) -> list[str]:
+    """Where the model's parts are: one line per device, the layers as ranges, and the memory each
+    GPU holds ("cuda:0: model.embed_tokens, layers 0-15 | 3.1 GiB allocated")."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return []
+    by_device: dict[str, list[str]] = {}
+    for name, where in device_map.items():
+        key = f"cuda:{where}" if isinstance(where, int) else str(where)
+        by_device.setdefault(key, []).append(name)
+    lines = []
+    for where, names in by_device.items():
+        mem = ""
+        if where.startswith("cuda:"):
+            mem = f" | {torch.cuda.memory_allocated(int(where[5:])) / 2 ** 30:.2f} GiB allocated"
+        lines.append(f"{where}: {compact_names(names)}{mem}")
+    return lines
+
+
+def compact_names(names: list[str]) -> str:
+    """['model.embed', 'model.layers.0', 'model.layers.1', 'model.layers.2', 'lm_head'] ->
+    'model.embed, model.layers.0-2, lm_head'."""
+    import re
+
+    out: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for name in names:
+        m = re.fullmatch(r"(.*\.)(\d+)", name)
+        if m and run and run[0] == m.group(1) and int(m.group(2)) == run[2] + 1:
+            run = (run[0], run[1], int(m.group(2)))
+            continue
+        if run:
+            out.append(f"{run[0]}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = None
+        if m:
+            run = (m.group(1), int(m.group(2)), int(m.group(2)))
+        else:
+            out.append(name or "(whole model)")
+    if run:
+        out.append(f"{run[0]}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+    return ", ".join(out)

@@ -86,7 +86,7 @@ class InferPlan:
 
     mode: str  # generate | score
     replicas: int  # data-parallel model copies: one per rank
-    gpus_per_replica: int  # 1 in this version (0 on CPU ranks)
+    gpus_per_replica: int  # GPUs one model copy spans (0 on CPU ranks)
     batch_size: int  # rows per forward; the batches are the same whatever the replica count
     rows: int
     batches: int
@@ -101,7 +101,7 @@ class InferPlan:
     def how(self) -> str:
         what = self.mode if self.mode == "score" else (
             f"generate ({'sampling' if self.sampling else 'greedy'}, max_new_tokens {self.max_new_tokens})")
-        gpus = f" x {self.gpus_per_replica} GPU" if self.gpus_per_replica else " on CPU"
+        gpus = f" x {self.gpus_per_replica} GPU(s)" if self.gpus_per_replica else " on CPU"
         return (f"{what}, {self.replicas} replica(s){gpus}, batch {self.batch_size}: {self.rows} rows in "
                 f"{self.batches} batches")
 
@@ -342,7 +342,7 @@ def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows
                       f"weights (about {fmt_bytes(bytes_per_row)} a row): 1 row a batch; it may run out of memory")
     batches = -(-rows // batch)
     on_gpu = device_type == "cuda"
-    infer = InferPlan(mode=mode, replicas=world, gpus_per_replica=1 if on_gpu else 0, batch_size=batch, rows=rows,
+    infer = InferPlan(mode=mode, replicas=world, gpus_per_replica=spec.gpus_per_task if on_gpu else 0, batch_size=batch, rows=rows,
                       batches=batches, max_tokens=max_tokens,
                       max_new_tokens=inf.max_new_tokens if mode == "generate" else None,
                       sampling=mode == "generate" and inf.temperature > 0, input_digest=input_digest,

@@ -262,17 +262,14 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
 
 
 def _check_infer(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
-    """task: infer, as far as this version goes: one GPU per model copy, no quantization."""
     if not (spec.model.name_or_path or spec.model.config):
         raise lines.error("model", "task: infer needs model.name_or_path (a local model dir) or model.config")
     if need_data and not spec.infer.input:
         raise lines.error("infer.input", "task: infer needs an input file (.jsonl or .txt)")
-    if spec.infer.gpus_per_replica not in ("auto", 1):
-        raise lines.error("infer.gpus_per_replica", "a model spread over several GPUs is not in this version "
-                          "of hpcgpu yet; use 1 (one model copy per GPU)")
-    if spec.model.quantization != "none":
-        raise lines.error("model.quantization", "int8/int4 weights are not in this version of hpcgpu yet; "
-                          "use none")
+    g, gpus = spec.infer.gpus_per_replica, spec.resources.gpus
+    if isinstance(g, int) and gpus % g:
+        raise lines.error("infer.gpus_per_replica", f"{g} does not divide the {gpus} GPUs per node "
+                          "(resources.gpus): a model copy spans GPUs of one node, and every GPU serves one")
 
 
 def _check_batch(spec: Spec, lines: LineMap) -> None:

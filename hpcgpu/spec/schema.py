@@ -150,7 +150,8 @@ class Model:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=meta(
         "dtype of the weights as loaded"))
     quantization: Literal["none", "int8", "int4"] = field(default="none", metadata=meta(
-        "weights quantized at load (task: infer; bitsandbytes); this version: none"))
+        "weights quantized at load (task: infer, on a GPU): int8 (LLM.int8) or int4 (NF4) through "
+        "bitsandbytes (pip install 'hpcgpu[quant]')"))
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,16 @@ class Infer:
     batch_size: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
         "rows per forward pass; auto: 8 on CPU, from free memory on a GPU", min=1))
     gpus_per_replica: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
-        "GPUs one model copy spans; this version: 1 (auto)", min=1))
+        "GPUs of a node one model copy spans (its layers spread over them, accelerate's device_map); "
+        "auto: the fewest that fit, decided at submit from the model's config and the GPU memory "
+        "(infer.max_memory's cap, or the GPUs detected here; 1 when neither is known)", min=1))
     max_memory: str = field(default="auto", metadata=meta(
-        "per-GPU memory cap for the weights (\"70GiB\"); auto: free memory less headroom"))
+        "per-GPU memory a model copy may use (\"70GiB\"), optionally weights offloaded to CPU memory "
+        "(\"70GiB,cpu=200GiB\"); auto: each GPU's free memory less headroom", pattern=r"^[^\x00-\x1f]*$",
+        fmt="auto or a size like 70GiB, optionally ',cpu=SIZE'"))
+    kv_cache: Literal["dynamic", "static"] = field(default="dynamic", metadata=meta(
+        "generate's KV cache: dynamic (grows with the batch), static (preallocated for the longest row, "
+        "decode steps compiled by torch.compile on a GPU)"))
 
 
 @dataclass(frozen=True)
@@ -247,8 +255,19 @@ class Spec:
     runs_dir: str = field(default="runs", metadata=meta("where run directories are made", pattern=r"^[^\x00-\x1f]*$", fmt="a path on one line"))
 
     @property
+    def gpus_per_task(self) -> int:
+        """GPUs one rank (task) spans: infer.gpus_per_replica once decided, else 1."""
+        g = self.infer.gpus_per_replica
+        return g if self.task == "infer" and isinstance(g, int) else 1
+
+    @property
+    def tasks_per_node(self) -> int:
+        return self.resources.gpus // self.gpus_per_task
+
+    @property
     def world_size(self) -> int:
-        return self.resources.nodes * self.resources.gpus
+        """Ranks: one per GPU, or one per model copy (task: infer, gpus_per_replica > 1)."""
+        return self.resources.nodes * self.tasks_per_node
 
 
 def is_valid_env_name(name: str) -> bool:

@@ -178,7 +178,8 @@ def test_estimate_infer_llama_8b_by_hand(tmp_path):
     assert rows["bfloat16"]["kv_cache"] == kv_per_token * 8 * (2048 + 256)
     assert rows["float32"]["kv_cache"] == 2 * rows["bfloat16"]["kv_cache"]
     assert rows["bfloat16"]["fits"] is True and rows["bfloat16"]["max_batch"] > 8
-    assert (data["prompt_tokens"], data["new_tokens"], data["gpus_per_replica"]) == (2048, 256, 1)
+    assert (data["prompt_tokens"], data["new_tokens"], data["gpus_per_replica"]) == (2048, 256, "auto")
+    assert data["recommended_gpus_per_replica"] == 1  # 15 GiB of bf16 weights: one 80G GPU a copy
     # score mode keeps no cache; its full-sequence logits grow with the batch
     score = json.loads(hpcgpu("estimate", str(spec), "--json", "--gpu-memory", "80G", "--prompt-tokens", "2048",
                               "--set", "infer.mode=score").stdout)
@@ -192,8 +193,10 @@ def test_estimate_infer_text_says_what_fits_and_what_does_not(tmp_path):
     out = done.stdout
     # model.config: the byte-level tokenizer, so the longest row is counted in bytes
     assert "rows of 51 tokens (the longest of 45 rows, in bytes) + 64 new; batch auto" in out
-    assert "float16 (spec)" in out and "int8 (later)" in out
-    assert "DOES NOT FIT: float16 weights and one row need more than one GPU" in out
+    assert "float16 (spec)" in out and "(later)" not in out
+    assert "recommended: gpus_per_replica 2 (the fewest that hold the float16 weights) -> 2 copies" in out
+    done = hpcgpu("estimate", str(spec), "--gpu-memory", "12G", "--gpus", "1")
+    assert "DOES NOT FIT: float16 weights (15.0 GiB) need more than the one GPU of a node" in done.stdout
     done = hpcgpu("estimate", str(spec), "--gpu-memory", "80G", "--set", "model.dtype=auto")
     assert "bfloat16 (spec)" in done.stdout and "bfloat16 weights, one GPU per replica, batch" in done.stdout
 

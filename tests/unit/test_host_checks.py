@@ -394,21 +394,49 @@ def test_a_training_model_folder_needs_no_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
-@pytest.mark.parametrize("case", ["gpus_per_replica", "quantization"])
-def test_what_this_version_cannot_run_is_refused_by_every_command(tmp_path, case, command):
-    doc = infer_doc(tmp_path, **({"gpus_per_replica": 2} if case == "gpus_per_replica" else {}))
-    if case == "quantization":
-        doc["model"]["quantization"] = "int8"
-    key = "infer.gpus_per_replica" if case == "gpus_per_replica" else "model.quantization"
-    one_error_line(hpcgpu(*COMMANDS[command], str(write(tmp_path, doc)), cwd=tmp_path), key, "not in this version")
+def test_gpus_that_a_model_copy_cannot_divide_are_refused_by_every_command(tmp_path, command):
+    doc = infer_doc(tmp_path, gpus_per_replica=4)  # resources.gpus 2
+    one_error_line(hpcgpu(*COMMANDS[command], str(write(tmp_path, doc)), cwd=tmp_path), "infer.gpus_per_replica",
+                   "4 does not divide the 2 GPUs per node")
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_quantization_without_bitsandbytes_is_refused_by_every_command(tmp_path, command):
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        pytest.skip("bitsandbytes is installed here")
+    doc = infer_doc(tmp_path)
+    doc["model"]["quantization"] = "int8"
+    one_error_line(hpcgpu(*COMMANDS[command], str(write(tmp_path, doc)), cwd=tmp_path),
+                   "model.quantization: int8 needs bitsandbytes", "pip install 'hpcgpu[quant]'")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_quantization_on_the_local_executor_without_a_gpu_is_refused(tmp_path):
+    """bitsandbytes importable (a stand-in package) but no GPU here: the local executor refuses before
+    anything loads; SLURM's nodes have GPUs, so sbatch renders the script."""
+    fake = tmp_path / "site" / "bitsandbytes"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    doc = infer_doc(tmp_path)
+    doc["model"]["quantization"] = "int4"
+    spec = write(tmp_path, doc)
+    site = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    one_error_line(hpcgpu("submit", str(spec), "--executor", "local", cwd=tmp_path, **site),
+                   "model.quantization: int4 runs on a GPU only", "submit to SLURM")
+    assert not (tmp_path / "runs").exists()
+    assert hpcgpu("sbatch", str(spec), cwd=tmp_path, **site).returncode == 0
+
+
 def test_a_max_memory_the_job_cannot_read_is_refused(tmp_path):
-    one_error_line(hpcgpu("validate", str(write(tmp_path, infer_doc(tmp_path, max_memory="lots"))), cwd=tmp_path),
-                   "infer.max_memory: 'lots' is not a size like 70GiB or auto")
-    assert hpcgpu("validate", str(write(tmp_path, infer_doc(tmp_path, max_memory="70GiB"))),
-                  cwd=tmp_path).returncode == 0
+    for bad in ("lots", "70GiB,gpu=3G", "70GiB,cpu"):
+        one_error_line(hpcgpu("validate", str(write(tmp_path, infer_doc(tmp_path, max_memory=bad))), cwd=tmp_path),
+                       f"infer.max_memory: {bad!r} is not auto or a size like 70GiB", "',cpu=SIZE'")
+    for good in ("70GiB", "70GiB,cpu=200GiB", "auto,cpu=64G"):
+        assert hpcgpu("validate", str(write(tmp_path, infer_doc(tmp_path, max_memory=good))),
+                      cwd=tmp_path).returncode == 0
 
 
 def test_every_sweep_task_s_input_is_read(tmp_path):

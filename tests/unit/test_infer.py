@@ -143,7 +143,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "greedy2": infer_spec("greedy", data),
         "stopA": infer_spec("greedy", data),
         "stopB": infer_spec("greedy", data),
-        "greedy1": infer_spec("greedy", data, resources={"gpus": 1}),
+        # one model copy over both "GPUs" (gpus_per_replica 2): one rank, as one replica of one GPU
+        "greedy1": infer_spec("greedy", data, resources={"gpus": 2}, infer={"gpus_per_replica": 2}),
         "sample2": infer_spec("sample", data, infer={"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}),
         "sample1": infer_spec("sample", data, resources={"gpus": 1},
                               infer={"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}),
@@ -178,6 +179,8 @@ def greedy2(world: dict) -> Path:
 def test_two_replicas_and_one_give_the_same_greedy_outputs(world: dict, greedy2: Path) -> None:
     ok(world["results"]["greedy1"])
     one = run_dir(world["folders"]["greedy1"], "greedy")
+    assert sorted(p.name for p in (one / "logs").iterdir()) == ["rank-0.log"]  # 2 GPUs, one copy: one rank
+    assert RunPlan.from_json((one / "plan.json").read_text()).world_size == 1
     rows = outputs(greedy2)
     assert [r["id"] for r in rows] == [f"r{i}" for i in range(ROWS)]  # every row once, in input order
     assert [r["index"] for r in rows] == list(range(ROWS))

@@ -113,3 +113,104 @@ def test_report_errors_are_one_line(tmp_path, make):
         run.mkdir()
     done = report(str(run))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("hpcgpu: error: RUN_DIR")
+
+
+# ---------------------------------------------------------------- task: infer (a run dir made by hand)
+
+INFER_START_1 = [  # what Progress writes: rows/s and tokens/s are means since this start's first batch
+    {"kind": "infer", "time": 1000.0, "rows": 8, "rows_total": 45, "rows_per_s": 4.0, "tokens_per_s": 100.0,
+     "prompt_tokens_per_s": 50.0, "tokens": 200, "elapsed_s": 2.0, "peak_mem_gib": 1.25},
+    {"kind": "infer", "time": 1010.0, "rows": 24, "rows_total": 45, "rows_per_s": 2.0, "tokens_per_s": 50.0,
+     "prompt_tokens_per_s": 40.0, "tokens": 600, "elapsed_s": 12.0, "peak_mem_gib": 1.5},
+    {"kind": "stop", "time": 1011.0, "rows": 24, "reason": "preempted", "restart_count": 0},
+]
+INFER_START_2 = [
+    {"kind": "resume", "time": 1060.0, "rows": 24, "rows_total": 45, "restart_count": 1},
+    {"kind": "infer", "time": 1062.0, "rows": 32, "rows_total": 45, "rows_per_s": 4.0, "tokens_per_s": 80.0,
+     "prompt_tokens_per_s": 60.0, "tokens": 160, "elapsed_s": 2.0, "peak_mem_gib": 1.5},
+    {"kind": "infer", "time": 1067.0, "rows": 45, "rows_total": 45, "rows_per_s": 3.0, "tokens_per_s": 60.0,
+     "prompt_tokens_per_s": 30.0, "tokens": 420, "elapsed_s": 7.0, "peak_mem_gib": 1.75},
+    {"kind": "end", "time": 1067.5, "rows": 45, "rows_this_start": 21, "tokens": 420, "elapsed_s": 7.5},
+]
+
+
+def infer_run(tmp_path: Path, records: list[dict], mode: str = "generate", gpus: int = 2,
+              finished: bool = False) -> Path:
+    """An infer run dir as the job leaves it: spec.yaml (configs/tiny-infer.yaml), plan.json, metrics.jsonl,
+    gpu.jsonl sampled every 5 s over both starts, outputs.jsonl and FINISHED once finished."""
+    import yaml
+
+    run = tmp_path / "runs" / "tiny-infer" / "1"
+    run.mkdir(parents=True)
+    spec = yaml.safe_load((REPO / "configs" / "tiny-infer.yaml").read_text())
+    spec["infer"]["mode"] = mode
+    (run / "spec.yaml").write_text(yaml.safe_dump(spec))
+    (run / "plan.json").write_text(json.dumps({"task": "infer", "world_size": gpus, "precision": "bf16",
+                                               "infer": {"mode": mode, "replicas": gpus, "rows": 45}}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    samples = [{"time": t + 0.5 * g, "node": 0, "gpu": g, "util": 90 - 10 * g, "mem_used": (20 - 2 * g) << 30,
+                "mem_total": 80 << 30, "temp": 50, "power": 400.0, "sm_clock": 1980}
+               for t in [*range(995, 1015, 5), *range(1055, 1070, 5)] for g in range(gpus)]
+    (run / "gpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    if finished:
+        (run / "outputs.jsonl").write_text("".join(json.dumps({"index": i, "text": "x"}) + "\n" for i in range(45)))
+        (run / "FINISHED").write_text("2025-01-01T00:00:00\n")
+    return run
+
+
+def test_report_of_an_infer_run_with_a_restart(tmp_path):
+    run = infer_run(tmp_path, INFER_START_1 + INFER_START_2, finished=True)
+    done = report(str(run))
+    assert done.returncode == 0, done.stderr
+    side = json.loads((run / "report.json").read_text())
+    assert side["panels"] == ["rows done", "rows/s", "generated tokens/s",
+                              "GPU utilization (%)", "GPU memory used (GiB)", "GPU power (W)"]
+    assert (run / "report.png").stat().st_size > 20_000
+    assert non_blank(run / "report.png").size == (1300, 1080)  # 3 rows of 2
+    # the means weigh each start by its logged time: the last record of each start covers it
+    secs = 12.0 + 7.0
+    rows_s, gen_s, prompt_s = (2.0 * 12 + 3.0 * 7) / secs, (600 + 420) / secs, (40.0 * 12 + 30.0 * 7) / secs
+    out = done.stdout
+    assert "rows             45/45\n" in out
+    assert f"mean rows/s      {rows_s:,.2f}\n" in out and f"{rows_s:,.2f}" == "2.37"
+    assert f"mean tokens/s    {gen_s:,.0f} generated, {prompt_s:,.0f} prompt\n" in out  # 54, 36
+    assert "restarts         1 (stopped 1x: preempted)\n" in out
+    assert "peak allocated   1.75 GiB (torch, max over replicas)\n" in out
+    assert "outputs.jsonl    complete: 45 rows (FINISHED)\n" in out
+    assert "gpu 0            peak memory 20.0 GiB, mean util 90%\n" in out
+    assert "gpu 1            peak memory 18.0 GiB, mean util 80%\n" in out
+    assert "loss" not in out and "steps" not in out  # not train's summary
+    s = side["summary"]
+    assert s["task"] == "infer" and s["rows"] == 45 and s["rows_total"] == 45 and s["finished"]
+    assert s["mean_rows_per_s"] == pytest.approx(rows_s) and s["mean_tokens_per_s"] == pytest.approx(gen_s)
+    assert s["logged_generated_tokens"] == 1020 and s["logged_s"] == secs
+
+
+def test_report_of_an_unfinished_score_run(tmp_path):
+    recs = [dict(r, tokens_per_s=0.0, tokens=0) if r["kind"] == "infer" else r for r in INFER_START_1]
+    run = infer_run(tmp_path, recs, mode="score", gpus=0)
+    data = json.loads(report(str(run), "--json").stdout)
+    assert data["panels"] == ["rows done", "rows/s", "prompt tokens/s (scored)"]
+    assert data["summary"]["rows"] == 24 and not data["summary"]["finished"]
+    done = report(str(run))
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "rows             24/45 (not finished)\n" in out and "mean rows/s      2.00\n" in out
+    assert "mean tokens/s    40 scored (prompt tokens)\n" in out and "generated" not in out
+    assert "restarts         0 (stopped 1x: preempted)\n" in out
+    assert "outputs.jsonl    not complete (no FINISHED marker yet" in out
+    assert "no GPU samples (gpu.jsonl) in this run" in out
+
+
+@pytest.mark.parametrize("has", ["stop record", "gpu samples"])
+def test_infer_run_with_no_infer_records_yet(tmp_path, has):
+    # stopped while loading the model (a stop record, no batch), or loading with the GPU monitor on
+    stop = {"kind": "stop", "time": 1000.0, "rows": 0, "reason": "timeout", "restart_count": 0}
+    run = infer_run(tmp_path, [stop] if has == "stop record" else [], gpus=2 if has == "gpu samples" else 0)
+    if has == "gpu samples":
+        (run / "metrics.jsonl").unlink()
+    done = report(str(run))
+    assert done.returncode == 0, done.stderr
+    lines = [ln for ln in done.stdout.splitlines() if "infer records" in ln]
+    assert lines == ["rows             none yet: metrics.jsonl has no infer records (no batch has finished; 0/45 rows)"]
+    assert "mean rows/s" not in done.stdout and (run / "report.png").stat().st_size > 0

@@ -27,12 +27,12 @@ export MASTER_ADDR
 export MASTER_PORT=${master_port}
 export SRUN_CPUS_PER_TASK=$${SLURM_CPUS_PER_TASK:-${cpus}}
 
-# --- launch: one task per GPU, all running the same entrypoint ---
+# --- launch: ${launch_what} ---
 # srun runs in the background so this shell survives the preemption signal and passes it on; the
 # ranks checkpoint, rank 0 requeues the job, and the shell returns srun's exit code. --label starts
 # every output line with its rank ("1: ..."): `hpcgpu logs JOB --rank 1` shows one rank.
 set +e
-srun --kill-on-bad-exit=1 --label --ntasks-per-node=${gpus} --cpus-per-task=${cpus} \
+srun --kill-on-bad-exit=1 --label --ntasks-per-node=${tasks} --cpus-per-task=${cpus} \
   ${python} -m hpcgpu run ${spec_path_q} &
 srun_pid=$$!
 while :; do

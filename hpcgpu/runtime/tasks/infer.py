@@ -49,7 +49,7 @@ from hpcgpu.runtime import infer_outputs as outputs
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.metrics import MetricsWriter
-from hpcgpu.runtime.model import build_model, model_config
+from hpcgpu.runtime.model import load_for_inference, model_config, placement
 from hpcgpu.runtime.plan import (DTYPE_BYTES, RunPlan, check_recorded, infer_precision, infer_row_bytes, plan_infer,
                                  recorded_plan, with_replicas)
 from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan, set_cpu_threads
@@ -201,35 +201,65 @@ def row_bytes(config: Any, mode: str, max_tokens: int, precision: str) -> int:
 
 
 def memory_budget(spec: Spec, model: torch.nn.Module, device: torch.device) -> int | None:
-    """GPU memory the rows of a batch may use: free beside the weights less headroom, within
-    infer.max_memory (a cap on the replica's GPU memory, weights included); None on CPU ranks.
+    """GPU memory the rows of a batch may use: what the replica's GPUs have free beside the weights
+    less headroom, within infer.max_memory's cap per GPU (weights included); None on CPU ranks.
     HPCGPU_GPU_MEMORY stands for the card's memory (as for train), on CPU ranks too."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cap = max_memory_cap(spec)
     if os.environ.get(ENV_GPU_MEMORY):
         from hpcgpu.runtime.plan import gpu_memory_reading
 
-        free = (gpu_memory_reading(device) or 0) - weights
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        free = [(gpu_memory_reading(device) or 0) - weights]
+        held = [weights]
     elif device.type == "cuda":
-        free = int(torch.cuda.mem_get_info(device)[0])
+        gpus = range(torch.cuda.device_count())  # the replica's group only (bound before CUDA started)
+        free = [int(torch.cuda.mem_get_info(i)[0]) for i in gpus]
+        held = [int(torch.cuda.memory_allocated(i)) for i in gpus]
     else:
         return None
-    budget = int(free * HEADROOM) - HEADROOM_BYTES
-    cap = max_memory_cap(spec)
-    if cap is not None:
-        budget = min(budget, cap - weights)
-    return max(0, budget)
+    budget = 0
+    for f, h in zip(free, held):
+        room = int(f * HEADROOM) - HEADROOM_BYTES
+        budget += max(0, min(room, cap - h) if cap is not None else room)
+    return budget
 
 
 def max_memory_cap(spec: Spec) -> int | None:
-    """infer.max_memory in bytes (None: auto)."""
-    if spec.infer.max_memory == "auto":
-        return None
-    from hpcgpu.gpu.estimate import parse_size
+    """infer.max_memory's cap per GPU in bytes (None: auto)."""
+    from hpcgpu.gpu.estimate import parse_max_memory
 
+    return parse_max_memory(spec.infer.max_memory).gpu
+
+
+def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.device) -> None:
+    """Weights that cannot fit this replica's GPUs (and CPU offload) at all: one line naming the
+    setting that would, before anything loads (instead of an out-of-memory error minutes later)."""
+    if device.type != "cuda":
+        return
+    from hpcgpu.gpu.estimate import (config_weight_bytes, fewest_gpus_per_replica, fmt_bytes, parse_max_memory,
+                                     usable_bytes)
+
+    fmt = spec.model.quantization if spec.model.quantization != "none" else PRECISION_FORMATS[precision]
     try:
-        return parse_size(spec.infer.max_memory)
-    except HpcgpuError:
-        raise HpcgpuError(f"infer.max_memory: {spec.infer.max_memory!r} is not a size like 70GiB, or auto") from None
+        weights = config_weight_bytes(config, fmt)
+    except (HpcgpuError, TypeError, ValueError):
+        return  # a config the analytic count does not know
+    cap = parse_max_memory(spec.infer.max_memory)
+    g = torch.cuda.device_count()
+    each = min(int(torch.cuda.mem_get_info(i)[0]) for i in range(g))
+    if cap.gpu is not None:
+        each = min(each, cap.gpu)
+    if weights <= g * each + cap.cpu:
+        return
+    total = int(torch.cuda.get_device_properties(0).total_memory)
+    need = fewest_gpus_per_replica(weights, usable_bytes(total), spec.resources.gpus, cap.cpu)
+    fix = (f"set infer.gpus_per_replica: {need}" if need else
+           "use model.quantization int8 or int4, or offload to CPU (infer.max_memory: 'auto,cpu=SIZE')")
+    raise HpcgpuError(f"infer.gpus_per_replica: {fmt_bytes(weights)} of {fmt} weights do not fit on this model "
+                      f"copy's {g} GPU(s) ({fmt_bytes(each)} free each); {fix} (hpcgpu estimate shows the options)")
+
+
+PRECISION_FORMATS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 # ---------------------------------------------------------------- generation and scoring
@@ -291,8 +321,10 @@ class Engine:
             sampling = dict(do_sample=True, temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k,
                             min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0) \
                 if inf.temperature > 0 else dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
+            # kv_cache static: transformers preallocates the cache and compiles the decode step on a GPU
+            cache = dict(cache_implementation="static") if inf.kv_cache == "static" else {}
             self.gen_config = GenerationConfig(
-                max_new_tokens=inf.max_new_tokens, min_new_tokens=0, num_beams=1, num_return_sequences=1,
+                **cache, max_new_tokens=inf.max_new_tokens, min_new_tokens=0, num_beams=1, num_return_sequences=1,
                 repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=self.pad,
                 eos_token_id=self.eos or None, **sampling)
 
@@ -557,12 +589,16 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     plan = settle_infer_plan(ctx, spec, paths, digest)
     precision = plan.precision if plan is not None else infer_precision(
         spec.model.dtype, ctx.device.type, ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
+    check_replica_fits(spec, config, precision, ctx.device)
     t0 = time.perf_counter()
-    model = build_model(spec, spec.train.seed, ctx.device, dtype=TORCH_DTYPES[precision], load_on_device=True)
-    model = model.to(ctx.device).eval()
+    model = load_for_inference(spec, ctx.device, TORCH_DTYPES[precision])
     n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"model {model_ref}: {n_params / 1e6:.2f}M params, {precision}, on {ctx.device} x {ctx.world_size} "
+    where = f"{ctx.device}" if spec.gpus_per_task == 1 else f"{spec.gpus_per_task} GPUs"
+    quant = f" ({spec.model.quantization} weights)" if spec.model.quantization != "none" else ""
+    log.info(f"model {model_ref}: {n_params / 1e6:.2f}M params, {precision}{quant}, on {where} x {ctx.world_size} "
              f"replica(s), loaded in {time.perf_counter() - t0:.1f}s; {len(rows)} rows from {source}")
+    for line in placement(model):
+        log.info(f"placement: {line}")
     if plan is None:
         plan = fresh_plan(ctx, spec, model, config, precision, ids, digest)
     ctx.plan = plan

@@ -1,0 +1,110 @@
+"""task: infer with a model copy over several GPUs: the launch mapping (sbatch, local executor), the
+host's decision of gpus_per_replica: auto, and each task's GPU group."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from hpcgpu.errors import EnvironmentError_, SpecError
+from hpcgpu.launch.replicas import resolve_gpus_per_replica
+from hpcgpu.launch.sbatch import render_sbatch
+from hpcgpu.runtime.env import DistEnv, bind_gpu_group
+from hpcgpu.spec import load_spec
+
+# a Llama-3-8B-shaped config: 8.03e9 parameters, 14.96 GiB in bfloat16
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+
+
+def infer_spec(tmp_path: Path, gpus: int, **infer: object) -> Path:
+    (tmp_path / "p.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    model = tmp_path / "llama"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(LLAMA_8B))
+    doc = {"name": "big", "task": "infer", "model": {"name_or_path": str(model)},
+           "resources": {"gpus": gpus, "cpus_per_gpu": 3}, "infer": {"input": "p.jsonl", **infer},
+           "runs_dir": str(tmp_path / "runs")}
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_sbatch_runs_one_task_per_model_copy(tmp_path: Path) -> None:
+    spec = load_spec(infer_spec(tmp_path, gpus=4, gpus_per_replica=2), nodes=2)
+    assert (spec.gpus_per_task, spec.tasks_per_node, spec.world_size) == (2, 2, 4)
+    text = render_sbatch(spec, tmp_path / "run", tmp_path / "run" / "spec.yaml")
+    assert "#SBATCH --ntasks-per-node=2\n" in text and "#SBATCH --gres=gpu:4\n" in text
+    assert "#SBATCH --cpus-per-task=6\n" in text  # the cores of both GPUs go to the task that drives them
+    assert "srun --kill-on-bad-exit=1 --label --ntasks-per-node=2 --cpus-per-task=6" in text
+    assert "4 rank(s): 2 node(s) x 4 GPU(s), 4 model copies of 2 GPUs" in text.splitlines()[1]
+    assert "one task per model copy of 2 GPUs" in text
+
+
+@pytest.mark.parametrize("max_memory, gpus, expect", [
+    ("40GiB", 4, 1),  # 15 GiB of weights fit one GPU of 40
+    ("12GiB", 4, 2),  # not one of 12, two
+    ("5GiB", 4, 4),
+    ("5GiB,cpu=20GiB", 4, 1),  # the rest offloaded to CPU memory
+])
+def test_auto_takes_the_fewest_gpus_the_weights_fit(tmp_path: Path, max_memory: str, gpus: int, expect: int) -> None:
+    said: list[str] = []
+    spec = resolve_gpus_per_replica(load_spec(infer_spec(tmp_path, gpus=gpus, max_memory=max_memory)), local=False,
+                                    say=said.append)
+    assert spec.infer.gpus_per_replica == expect and spec.world_size == gpus // expect
+    assert (f"auto is {expect}" in said[0]) if expect > 1 else not said
+
+
+def test_auto_that_nothing_fits_names_what_would(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as err:
+        resolve_gpus_per_replica(load_spec(infer_spec(tmp_path, gpus=2, max_memory="5GiB")), local=False)
+    assert "do not fit on the 2 GPU(s) of a node" in str(err.value) and "int8 or int4" in str(err.value)
+    # int4 weights (about 4.5 GiB) fit where bf16 did not
+    spec = load_spec(infer_spec(tmp_path, gpus=2, max_memory="5GiB"), ["model.quantization=int4"])
+    assert resolve_gpus_per_replica(spec, local=False).infer.gpus_per_replica == 2
+
+
+def test_auto_without_a_known_gpu_size_is_one_and_says_how_to_split(tmp_path: Path) -> None:
+    said: list[str] = []
+    spec = resolve_gpus_per_replica(load_spec(infer_spec(tmp_path, gpus=4)), local=False, say=said.append)
+    assert spec.infer.gpus_per_replica == 1 and spec.world_size == 4
+    assert "not visible from here" in said[0] and "set infer.gpus_per_replica" in said[0]
+
+
+def env_of(local_rank: int, local_world: int, visible: str | None, g: int) -> DistEnv:
+    environ = {"HPCGPU_LAUNCHER": "local", "SLURM_PROCID": str(local_rank), "SLURM_LOCALID": str(local_rank),
+               "SLURM_NTASKS": str(local_world), "SLURM_TASKS_PER_NODE": str(local_world), "SLURM_NNODES": "1",
+               "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "1", "MASTER_PORT": "29999"}
+    if visible is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = visible
+    return DistEnv.from_environ(environ, gpus_per_task=g)
+
+
+def test_each_task_sees_only_its_group_of_gpus() -> None:
+    target: dict[str, str] = {}
+    env = bind_gpu_group(env_of(1, 2, "4,5,6,7", 2), target)
+    assert target["CUDA_VISIBLE_DEVICES"] == "6,7" and target["HPCGPU_NODE_GPUS"] == "4,5,6,7"
+    assert env.visible_devices == ("6", "7") and env.device_index(2) == 0
+    # SLURM bound the task to its two GPUs already: it keeps them
+    target = {}
+    bind_gpu_group(env_of(1, 2, "2,3", 2), target)
+    assert target["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # nothing set: the node's GPUs in order
+    target = {}
+    bind_gpu_group(env_of(1, 2, None, 2), target)
+    assert target["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_too_few_gpus_for_the_groups_is_one_clear_error() -> None:
+    with pytest.raises(EnvironmentError_) as err:
+        bind_gpu_group(env_of(0, 2, "0,1,2", 2), {})
+    assert "2 model copies of 2 GPUs on this node need 4 GPUs, but 3 are visible" in str(err.value)
+
+
+def test_one_gpu_per_task_changes_nothing() -> None:
+    target: dict[str, str] = {}
+    env = env_of(1, 2, "0,1", 1)
+    assert bind_gpu_group(env, target) is env and target == {}
+    assert os.environ.get("HPCGPU_NODE_GPUS") is None
