@@ -266,6 +266,9 @@ def _check_infer(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
         raise lines.error("model", "task: infer needs model.name_or_path (a local model dir) or model.config")
     if need_data and not spec.infer.input:
         raise lines.error("infer.input", "task: infer needs an input file (.jsonl or .txt)")
+    if spec.model.quantization != "none" and not spec.model.name_or_path:
+        raise lines.error("model.quantization", "int8/int4 weights are quantized as a saved model loads: give "
+                          "model.name_or_path (a folder save_pretrained wrote), or use quantization: none")
     g, gpus = spec.infer.gpus_per_replica, spec.resources.gpus
     if isinstance(g, int) and gpus % g:
         raise lines.error("infer.gpus_per_replica", f"{g} does not divide the {gpus} GPUs per node "

@@ -39,9 +39,10 @@ def test_infer_two_nodes_preempted_requeued_every_row_once(slurm):
     spec = slurm.write_spec({
         "name": "infer", "task": "infer", "resources": {"gpus": 1, "cpus_per_gpu": 1, "time": "00:10:00"},
         "model": {"name_or_path": str(model)},
-        "infer": {"input": str(source), "max_new_tokens": 128, "batch_size": 4},
+        "infer": {"input": str(source), "max_new_tokens": 128, "batch_size": 4, "gpus_per_replica": 2},
     })
-    job, run_dir, _ = slurm.submit(spec, "--nodes", "2", "--gpus", "1")
+    # 2 nodes x 2 GPUs, a model copy over 2 GPUs: one task (replica) per node
+    job, run_dir, _ = slurm.submit(spec, "--nodes", "2", "--gpus", "2")
 
     slurm.wait_for(lambda: len(replica_records(run_dir)) > 0, timeout=180, what="the first rows written")
     subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
@@ -50,6 +51,7 @@ def test_infer_two_nodes_preempted_requeued_every_row_once(slurm):
     assert info["JobState"] == "COMPLETED", out
     assert info["Restarts"] == "1", info
     assert info["NodeList"] == "n[1-2]", info
+    assert info["NumTasks"] == "2" and "cpu=4," in info["TRES"], info  # a task per copy, the cores of its 2 GPUs
     assert "x 2 replica(s)" in out and "requeued job" in out
 
     events = [r for r in slurm.metrics(run_dir) if r["kind"] in ("stop", "resume", "end")]

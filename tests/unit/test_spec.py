@@ -186,6 +186,8 @@ BAD = [
     # a model copy spans GPUs of one node, every GPU serving one: refused before anything is queued
     ("infer-gpus-per-replica", INFER + "  gpus_per_replica: 2\n", "infer.gpus_per_replica",
      ["2 does not divide the 1 GPUs per node"], "gpus_per_replica"),
+    ("infer-quantization-no-dir", "name: a\ntask: infer\nmodel:\n  config: {model_type: gpt2}\n  quantization: int8\n"
+     "infer: {input: p.jsonl}\n", "model.quantization", ["give model.name_or_path"], "quantization"),
     ("infer-gpus-per-replica-3", INFER + "  gpus_per_replica: 3\nresources: {gpus: 4}\n", "infer.gpus_per_replica",
      ["3 does not divide the 4 GPUs per node"], "gpus_per_replica"),
     ("infer-mode", INFER + "  mode: chat\n", "infer.mode", ["generate, score"], "mode: chat"),

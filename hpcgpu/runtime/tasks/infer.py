@@ -593,7 +593,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     t0 = time.perf_counter()
     model = load_for_inference(spec, ctx.device, TORCH_DTYPES[precision])
     n_params = sum(p.numel() for p in model.parameters())
-    where = f"{ctx.device}" if spec.gpus_per_task == 1 else f"{spec.gpus_per_task} GPUs"
+    where = f"{spec.gpus_per_task} GPUs" if ctx.device.type == "cuda" and spec.gpus_per_task > 1 else f"{ctx.device}"
     quant = f" ({spec.model.quantization} weights)" if spec.model.quantization != "none" else ""
     log.info(f"model {model_ref}: {n_params / 1e6:.2f}M params, {precision}{quant}, on {where} x {ctx.world_size} "
              f"replica(s), loaded in {time.perf_counter() - t0:.1f}s; {len(rows)} rows from {source}")
