@@ -148,8 +148,11 @@ def placement(model: torch.nn.Module) -> list[str]:
     """Where the model's parts are: one line per device, the layers as ranges, and the memory each
     GPU holds ("cuda:0: model.embed_tokens, layers 0-15 | 3.1 GiB allocated")."""
     device_map = getattr(model, "hf_device_map", None)
-    if not device_map:
-        return []
+    if not device_map:  # one device: transformers keeps no map
+        first = next(model.parameters(), None)
+        if first is None or first.device.type != "cuda":
+            return []
+        device_map = {"": first.device.index or 0}
     by_device: dict[str, list[str]] = {}
     for name, where in device_map.items():
         key = f"cuda:{where}" if isinstance(where, int) else str(where)

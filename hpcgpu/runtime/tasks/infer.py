@@ -302,6 +302,11 @@ class Engine:
     def __init__(self, spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
                  device: torch.device):
         self.spec, self.model, self.codec, self.ids, self.rows, self.device = spec, model, codec, ids, rows, device
+        if device.type == "cuda":
+            # SDPA's cuDNN backend builds an execution plan for every new sequence length (tens of ms
+            # each): batches sorted by length meet hundreds of them, the padded batches of an unsorted
+            # loop few (benchmarks/infer_throughput.py measures both)
+            torch.backends.cuda.enable_cudnn_sdp(False)
         inf = spec.infer
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         vocab = getattr(config, "vocab_size", None) or 1 << 62
@@ -517,7 +522,9 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
     replicas, rank = ctx.world_size, ctx.rank
     done = outputs.done_rows(paths, rows)
     mine = [(b, batch) for b, batch in enumerate(batches) if b % replicas == rank]
-    todo = [(b, batch) for b, batch in mine if any(i not in done for i in batch)]
+    # the longest batches first: an out-of-memory shows at once, and a static KV cache sized by the
+    # first batch serves (and its compiled decode step fits) every later one
+    todo = [(b, batch) for b, batch in reversed(mine) if any(i not in done for i in batch)]
     written_mine = sum(1 for _, batch in mine for i in batch if i in done)
     # one collective: every replica's batches left and rows written, in its own slots
     counts = [0.0] * (2 * replicas)
