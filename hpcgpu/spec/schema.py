@@ -207,8 +207,8 @@ class Infer:
         "(\"70GiB,cpu=200GiB\"); auto: each GPU's free memory less headroom", pattern=r"^[^\x00-\x1f]*$",
         fmt="auto or a size like 70GiB, optionally ',cpu=SIZE'"))
     kv_cache: Literal["dynamic", "static"] = field(default="dynamic", metadata=meta(
-        "generate's KV cache: dynamic (grows with the batch), static (preallocated for the longest row, "
-        "decode steps compiled by torch.compile on a GPU)"))
+        "generate's KV cache: dynamic (grows with the batch) or static (transformers' preallocated cache, "
+        "sized by the first batch, the longest)"))
 
 
 @dataclass(frozen=True)

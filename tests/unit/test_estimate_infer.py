@@ -73,7 +73,11 @@ def test_llama_8b_16g_bfloat16_needs_two_gpus_int4_one(tmp_path):
     assert "recommended: gpus_per_replica 2 (the fewest that hold the bfloat16 weights) -> 2 copies" in out
     assert "bfloat16 weights, 2 GPUs per replica, batch 8: fits" in out
     assert "for a SLURM job set infer.gpus_per_replica: 2" in out  # submit takes auto as 1 without a cap
-    out = estimate(spec, "16G", "--set", "model.quantization=int4")
+    # int4 quantizes a saved model as it loads: a folder with its config.json
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    out = estimate(spec_file(tmp_path, {"name_or_path": str(folder), "quantization": "int4"}), "16G")
     assert "int4 (spec)" in out and "recommended: gpus_per_replica 1 (the fewest that hold the int4 weights) -> " \
         "4 copies" in out
 

@@ -108,3 +108,12 @@ def test_one_gpu_per_task_changes_nothing() -> None:
     env = env_of(1, 2, "0,1", 1)
     assert bind_gpu_group(env, target) is env and target == {}
     assert os.environ.get("HPCGPU_NODE_GPUS") is None
+
+
+def test_the_placement_line_gives_layers_as_ranges() -> None:
+    from hpcgpu.runtime.model import compact_names
+
+    names = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.layers.5",
+             "model.norm", "lm_head"]
+    assert compact_names(names) == "model.embed_tokens, model.layers.0-2, model.layers.5, model.norm, lm_head"
+    assert compact_names([""]) == "(whole model)"

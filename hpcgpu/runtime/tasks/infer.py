@@ -326,7 +326,7 @@ class Engine:
             sampling = dict(do_sample=True, temperature=inf.temperature, top_p=inf.top_p, top_k=inf.top_k,
                             min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0) \
                 if inf.temperature > 0 else dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=50)
-            # kv_cache static: transformers preallocates the cache and compiles the decode step on a GPU
+            # kv_cache static: transformers preallocates the cache (and may compile its decode step)
             cache = dict(cache_implementation="static") if inf.kv_cache == "static" else {}
             self.gen_config = GenerationConfig(
                 **cache, max_new_tokens=inf.max_new_tokens, min_new_tokens=0, num_beams=1, num_return_sequences=1,
