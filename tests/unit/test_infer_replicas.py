@@ -117,3 +117,46 @@ def test_the_placement_line_gives_layers_as_ranges() -> None:
              "model.norm", "lm_head"]
     assert compact_names(names) == "model.embed_tokens, model.layers.0-2, model.layers.5, model.norm, lm_head"
     assert compact_names([""]) == "(whole model)"
+
+
+# ---------------------------------------------------------------- the loop's stop, one rank in-process
+
+class StopAt:
+    """An engine whose batches give one row each; sets the stop flag while running batch `at`."""
+
+    def __init__(self, ctx, at: int | None):
+        self.ctx, self.at, self.ran = ctx, at, 0
+
+    def run(self, number: int, batch: list[int]):
+        from hpcgpu.runtime.tasks.infer import BatchResult
+
+        self.ran += 1
+        if self.ran == self.at:
+            self.ctx.stop_flag.signum = 10
+        return BatchResult([{"id": i, "index": i, "text": "x"} for i in batch], 1, 1)
+
+
+@pytest.mark.parametrize("stop_at, outcome, batches_run", [
+    (None, "finished", 5),
+    (2, "stopped", 2),  # the rank that got the signal runs no further batch
+    (4, "stopped", 4),  # the last batch not run: a stop, not the end
+    (5, "finished", 5),  # the signal came during the last batch: everything ran
+])
+def test_a_stop_ends_the_loop_at_once_and_only_a_complete_run_finishes(tmp_path: Path, stop_at: int | None,
+                                                                      outcome: str, batches_run: int) -> None:
+    import torch
+
+    from hpcgpu.contract import RunPaths
+    from hpcgpu.infer_rows import Row
+    from hpcgpu.runtime.context import Context
+    from hpcgpu.runtime.metrics import MetricsWriter
+    from hpcgpu.runtime.tasks.infer import infer_loop
+
+    spec = load_spec(infer_spec(tmp_path, gpus=1))
+    ctx = Context(env=DistEnv(), spec=spec, run_dir=tmp_path, device=torch.device("cpu"))
+    rows = [Row(index=i, id=i, line=i + 1, prompt="p") for i in range(5)]
+    engine = StopAt(ctx, stop_at)
+    metrics = MetricsWriter(tmp_path / "metrics.jsonl", enabled=True)
+    result, progress = infer_loop(ctx, spec, RunPaths(tmp_path), engine, [[i] for i in range(5)], metrics, rows)
+    metrics.close()
+    assert (result, engine.ran, progress.done) == (outcome, batches_run, batches_run)

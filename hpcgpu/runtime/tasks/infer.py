@@ -7,9 +7,11 @@ every output, greedy or sampled: sampling is seeded per batch from (infer.seed, 
 depend on the replica count: 1 and 2 replicas give the same outputs.jsonl, bit for bit on CPU.
 
 Each replica appends the rows of a batch to outputs/replica-N.jsonl (runtime/infer_outputs.py) and
-then takes part in one small collective: the stop flag and the progress counters, all-reduced. On an
-agreed stop (the preemption signal, SIGTERM, Ctrl-C) rank 0 requeues and every rank exits 75, as
-train does after its checkpoint; the rows written are the checkpoint. A resumed job skips every row
+posts its stop flag and progress counters to an all-reduce on a gloo group, read one round later
+(while its next batch runs: no replica waits each round for a slower one). A replica that got the
+stop signal itself runs no further batch. On an agreed stop (the preemption signal, SIGTERM, Ctrl-C)
+rank 0 requeues and every rank exits 75, as train does after its checkpoint; the rows written are
+the checkpoint. A resumed job skips every row
 some replica wrote (any replica count: all the replica files are read), redoes a batch only partly
 written (a kill -9) whole and writes just its missing rows: never a duplicate, never a dropped row.
 At the end rank 0 merges the replica files into outputs.jsonl, in input order, and marks the run
@@ -437,11 +439,51 @@ def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str
 
 # ---------------------------------------------------------------- the loop
 
-def all_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def coordination_group(device: torch.device) -> Any:
+    """The group the replicas agree in (batches left, the stop flag, progress): gloo on the CPU, so
+    that coordinating never touches a GPU stream. On GPUs a gloo group of its own (created
+    collectively), on CPU ranks the default (gloo) group; None alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+
+
+def all_sum(values: list[float], group: Any) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
+
+
+class LaggedSum:
+    """Every replica's numbers of a round, summed over the replicas and read one round late: a replica
+    posts its numbers (an async all-reduce) and runs its next batch while they travel, so no replica
+    waits each round for a slower one's batch; it waits only if another is a whole batch behind."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.pending: tuple[torch.Tensor, Any] | None = None
+
+    def post(self, values: list[float]) -> list[float] | None:
+        """Post this round's numbers; the previous round's sums (None in the first round)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) \
+            if self.group is not None else None
+        previous, self.pending = self.pending, (t, work)
+        return self._settle(previous)
+
+    def drain(self) -> list[float] | None:
+        previous, self.pending = self.pending, None
+        return self._settle(previous)
+
+    @staticmethod
+    def _settle(posted: tuple[torch.Tensor, Any] | None) -> list[float] | None:
+        if posted is None:
+            return None
+        t, work = posted
+        if work is not None:
+            work.wait()
+        return t.tolist()
 
 
 def inject_signal(ctx: Context, iteration: int, fresh: bool) -> None:
@@ -523,24 +565,34 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
     done = outputs.done_rows(paths, rows)
     mine = [(b, batch) for b, batch in enumerate(batches) if b % replicas == rank]
     # the longest batches first: an out-of-memory shows at once, and a static KV cache sized by the
-    # first batch serves (and its compiled decode step fits) every later one
+    # first batch serves every later one
     todo = [(b, batch) for b, batch in reversed(mine) if any(i not in done for i in batch)]
     written_mine = sum(1 for _, batch in mine for i in batch if i in done)
+    group = coordination_group(ctx.device)
     # one collective: every replica's batches left and rows written, in its own slots
     counts = [0.0] * (2 * replicas)
     counts[2 * rank], counts[2 * rank + 1] = len(todo), written_mine
-    counts = all_sum(counts, ctx.device)
+    counts = all_sum(counts, group)
     rounds, written = int(max(counts[0::2])), int(sum(counts[1::2]))
     fresh = written == 0
     if written:
         metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
         log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
     progress = Progress(ctx, metrics, len(rows), written)
-    on_gpu = ctx.device.type == "cuda"
+    agree = LaggedSum(group)
+
+    def account(totals: list[float] | None, it: int) -> None:
+        if totals is not None:  # [stop, rows, prompt tokens, generated tokens, skipped, *peak memory]
+            progress.add(totals[1], totals[2], totals[3], totals[5:])
+            progress.maybe_log(it == 0, it == rounds - 1)
+
     with outputs.ReplicaWriter(paths.replica_outputs(rank)) as writer:
         for it in range(rounds):
+            # a replica that got the stop signal itself runs no further batch; the others learn of
+            # it a round later (the sums of a round are read while the next batch runs)
+            stopping = ctx.stop_flag.is_set
             result, new = None, []
-            if it < len(todo):
+            if it < len(todo) and not stopping:
                 number, batch = todo[it]
                 result = engine.run(number, batch)
                 # a batch partly written before (a kill -9 mid-write) is redone whole: only its
@@ -548,18 +600,28 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
                 new = [r for r in result.records if r["index"] not in done]
                 writer.write(new)
             inject_signal(ctx, it + 1, fresh)
-            peaks = [0.0] * replicas
-            if on_gpu:
-                peaks[rank] = float(torch.cuda.max_memory_allocated(ctx.device))
-            totals = all_sum([1.0 if ctx.stop_flag.is_set else 0.0, len(new),
-                              result.prompt_tokens if result else 0, result.completion_tokens if result else 0,
-                              *peaks], ctx.device)
-            progress.add(totals[1], totals[2], totals[3], totals[4:])
-            last = it == rounds - 1
-            progress.maybe_log(it == 0, last)
-            if totals[0] > 0 and not last:
-                return "stopped", progress
+            previous = agree.post(round_numbers(ctx, result, len(new), skipped=it < len(todo) and stopping))
+            account(previous, it - 1)
+            if previous is not None and previous[0] > 0:  # a stop, agreed on the previous round
+                current = agree.drain()
+                account(current, it)
+                every_batch_ran = it == rounds - 1 and previous[4] == 0 and current is not None and current[4] == 0
+                return ("finished" if every_batch_ran else "stopped"), progress
+        final = agree.drain()
+        account(final, rounds - 1)
+    if final is not None and final[4] > 0:  # a replica stopped before its last batch
+        return "stopped", progress
     return "finished", progress
+
+
+def round_numbers(ctx: Context, result: BatchResult | None, new_rows: int, skipped: bool) -> list[float]:
+    """This replica's slots of a round's sums: the stop flag, rows written, prompt and generated
+    tokens, a batch skipped for the stop, and its peak GPU memory in its own slot."""
+    peaks = [0.0] * ctx.world_size
+    if ctx.device.type == "cuda":
+        peaks[ctx.rank] = float(torch.cuda.max_memory_allocated(ctx.device))
+    return [1.0 if ctx.stop_flag.is_set else 0.0, float(new_rows), result.prompt_tokens if result else 0,
+            result.completion_tokens if result else 0, 1.0 if skipped else 0.0, *peaks]
 
 
 # ---------------------------------------------------------------- the task
