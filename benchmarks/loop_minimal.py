@@ -1,0 +1,179 @@
+"""The minimal training loop: the ceiling a hand-written loop reaches for hpcgpu's train task.
+
+    torchrun --standalone --nproc_per_node N benchmarks/loop_minimal.py [--steps 600] [--warmup 50]
+
+Hugging Face GPT2LMHeadModel from a config (random init, seeded; sdpa attention, dropout 0, vocab
+50304; default GPT-2 124M), compiled whole (torch.compile of the model, then DDP with its default
+buckets when WORLD_SIZE > 1: the order hpcgpu and nanoGPT use), fused AdamW (on CUDA), bf16 autocast
+(on CUDA; fp32 on the CPU unless --precision says otherwise). One fixed random batch, made on the
+device once: no data pipeline at all. Each step is loss.backward(); opt.step();
+opt.zero_grad(set_to_none=True): no clipping, no scheduler, nothing read back until the end.
+
+--warmup untimed steps (step 1 compiles), then --steps timed steps between two synchronisations.
+Rank 0 prints ONE JSON line at the end: tokens_per_s over the timed steps (tokens = micro x accum x
+seq x world per step), ms_per_step, mfu (hpcgpu's FLOPs count: 6 x parameters + 12 x layers x heads x
+head_dim x seq per token, over the GPU's dense bf16 peak; null on the CPU or an unknown GPU),
+ttfs_s (the process start, time.time() at the top of this file, to step 1 done, synchronised),
+step1_done_unix (the same instant, wall clock: the benchmark measures from its own launch), the final
+loss and the setup. Needs torch and transformers; no hpcgpu.
+"""
+from __future__ import annotations
+
+import time
+
+T_START = time.time()  # the process start as this program sees it (before torch is imported)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# dense bf16 tensor FLOP/s (no sparsity), hpcgpu/gpu/peak.py's numbers; the first match wins
+PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("GH200", 989e12),
+             ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
+             ("A6000", 155e12), ("A40", 150e12), ("A10", 125e12), ("L4", 121e12)]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n-layer", type=int, default=12)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--n-head", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (also n_positions)")
+    ap.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per forward pass")
+    ap.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step (no_sync before the last)")
+    ap.add_argument("--steps", type=int, default=600, help="timed optimizer steps, after --warmup")
+    ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (>= 1; step 1 compiles)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
+    ap.add_argument("--compile-outer", action="store_true",
+                    help="compile the DDP-wrapped module instead (DDPOptimizer splits the graph at buckets)")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="autocast dtype; auto: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
+    args = ap.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
+    return args
+
+
+def setup_dist(args: argparse.Namespace) -> tuple[int, int, torch.device]:
+    rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        if use_cuda:
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return rank, world, device
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    extra = {} if args.vocab > 50256 else {"bos_token_id": None, "eos_token_id": None}  # gpt2's 50256 lies outside
+    cfg = GPT2Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, n_positions=args.seq_len,
+                     vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     attn_implementation="sdpa", **extra)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    with torch.device(device):
+        model = GPT2LMHeadModel(cfg)
+    return model.train()
+
+
+def flops_per_token(model: torch.nn.Module, args: argparse.Namespace) -> float:
+    """hpcgpu's count (runtime/tasks/train.py flops_per_token): 6N plus attention, PaLM appendix B."""
+    n = sum(p.numel() for p in model.parameters())
+    return 6 * n + 12 * args.n_layer * args.n_head * (args.n_embd // args.n_head) * args.seq_len
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[str, float | None]:
+    if device.type != "cuda":
+        return "cpu", None
+    name = torch.cuda.get_device_name(device)
+    if args.peak_tflops:
+        return name, args.peak_tflops * 1e12
+    return name, next((f for key, f in PEAK_BF16 if key.lower() in name.lower()), None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world, device = setup_dist(args)
+    amp = torch.bfloat16 if args.precision == "bf16" or (args.precision == "auto" and device.type == "cuda") else None
+    raw = build_model(args, device)
+    model: torch.nn.Module = raw
+    ddp = world > 1
+    if args.compile and not args.compile_outer:
+        model = torch.compile(model)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile and args.compile_outer:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(raw.parameters(), lr=args.lr, fused=device.type == "cuda")
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1 + rank)
+    x = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), device=device, generator=gen)
+    autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else contextlib.nullcontext
+
+    def step() -> torch.Tensor:
+        for i in range(args.accum):
+            quiet = model.no_sync() if ddp and i < args.accum - 1 else contextlib.nullcontext()
+            with quiet:
+                with autocast():
+                    loss = model(input_ids=x, labels=x).loss
+                (loss / args.accum if args.accum > 1 else loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    loss = step()
+    sync(device)  # step 1 done: the first instant a result of it could be read
+    step1_done = time.time()
+    for _ in range(args.warmup - 1):
+        loss = step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    final_loss = float(loss.detach().float().item())  # the only read-back of the loss
+
+    tokens = args.micro_batch * args.accum * args.seq_len * world * args.steps
+    tok_s = tokens / elapsed
+    name, peak = peak_flops(args, device)
+    fpt = flops_per_token(raw, args)
+    if rank == 0:
+        print(json.dumps({
+            "program": "minimal", "tokens_per_s": tok_s, "ms_per_step": 1000 * elapsed / args.steps,
+            "timed_s": elapsed, "timed_steps": args.steps, "warmup_steps": args.warmup,
+            "mfu": tok_s * fpt / (peak * world) if peak else None, "flops_per_token": fpt, "peak_flops": peak,
+            "ttfs_s": step1_done - T_START, "step1_done_unix": step1_done, "process_start_unix": T_START,
+            "final_loss": final_loss, "params": sum(p.numel() for p in raw.parameters()), "world": world,
+            "device": name, "precision": "bf16" if amp is not None else "fp32", "compile": args.compile,
+            "compile_outer": args.compile_outer, "micro_batch": args.micro_batch, "accum": args.accum,
+            "seq_len": args.seq_len,
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        }), flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
