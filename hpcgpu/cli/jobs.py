@@ -45,7 +45,8 @@ def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
         "elapsed": elapsed, "elapsed_s": elapsed_s,  # every run of a requeued job together
         "gpus": unit.gpus, "gpu_hours": gpu_hours(elapsed_s, unit.gpus),
         "nodes": unit.nodes, "restarts": unit.restarts, "exit_code": unit.exit_code,
-        "step": progress.step, "loss": progress.loss, "run_dir": unit.run_dir,
+        "step": progress.step, "loss": progress.loss, "rows": progress.rows, "rows_total": progress.rows_total,
+        "progress": progress.text(), "run_dir": unit.run_dir,
     }
 
 
@@ -55,11 +56,19 @@ def job_view(job: JobRecord) -> dict[str, Any]:
                  "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted))})
     if job.is_array:
         view["tasks"] = [dict(unit_view(job, t), values=t.values) for t in job.tasks]
-        view["step"] = view["loss"] = None
+        view["step"] = view["loss"] = view["rows"] = view["rows_total"] = None
+        view["progress"] = "-"
         hours = [t["gpu_hours"] for t in view["tasks"] if t["gpu_hours"] is not None]
         view["gpu_hours"] = round(sum(hours), 3) if hours else None  # the array's: all its tasks
     view["logs"] = [str(p) for p in log_files(job, None)] if not job.is_array else []
     return view
+
+
+def step_cell(view: dict[str, Any]) -> str:
+    """The STEP column: the last step, or rows done/total for task: infer."""
+    if view.get("rows") is not None:
+        return f"{view['rows']}/{view['rows_total'] if view['rows_total'] is not None else '?'} rows"
+    return "-" if view["step"] is None else str(view["step"])
 
 
 def fmt_loss(loss: Any) -> str:
@@ -90,8 +99,7 @@ def print_jobs(views: list[dict[str, Any]]) -> None:
         if "tasks" in v:
             state = f"{state} [{len(v['tasks'])} tasks]"
         rows.append([v["id"], v["name"], v["executor"], state, v["elapsed"] or "-", fmt_hours(v["gpu_hours"]),
-                     v["nodes"] or "-", str(v["restarts"]), "-" if v["step"] is None else str(v["step"]),
-                     fmt_loss(v["loss"]), v["run_dir"]])
+                     v["nodes"] or "-", str(v["restarts"]), step_cell(v), fmt_loss(v["loss"]), v["run_dir"]])
     click.echo(format_table(rows))
 
 
@@ -115,7 +123,10 @@ def print_job(view: dict[str, Any]) -> None:
         if value is not None:
             click.echo(f"{label:<10}{value}")
     if "tasks" not in view:
-        click.echo(f"{'step':<10}{'-' if view['step'] is None else view['step']}  loss {fmt_loss(view['loss'])}")
+        if view["rows"] is not None:
+            click.echo(f"{'rows':<10}{view['rows']}/{view['rows_total'] if view['rows_total'] is not None else '?'}")
+        else:
+            click.echo(f"{'step':<10}{'-' if view['step'] is None else view['step']}  loss {fmt_loss(view['loss'])}")
         for path in view["logs"]:
             click.echo(f"{'log':<10}{path}")
         return
@@ -123,7 +134,7 @@ def print_job(view: dict[str, Any]) -> None:
     for t in view["tasks"]:
         rows.append([t["id"], state_text(t), t["elapsed"] or "-", fmt_hours(t["gpu_hours"]), t["nodes"] or "-",
                      str(t["restarts"]),
-                     "-" if t["step"] is None else str(t["step"]), fmt_loss(t["loss"]),
+                     step_cell(t), fmt_loss(t["loss"]),
                      " ".join(f"{k}={v}" for k, v in t["values"].items()), t["run_dir"]])
     click.echo("")
     click.echo(format_table(rows))

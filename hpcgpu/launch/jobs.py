@@ -341,10 +341,21 @@ def unknown_state(run_dir: Path) -> tuple[str, str]:
 class Progress:
     step: int | None = None
     loss: float | None = None
+    rows: int | None = None  # task: infer: rows written, of rows_total
+    rows_total: int | None = None
+
+    def text(self) -> str:
+        """'step 120 (loss 2.7021)', 'rows 45/45', or '-'."""
+        if self.rows is not None:
+            return f"rows {self.rows}/{self.rows_total if self.rows_total is not None else '?'}"
+        if self.step is None:
+            return "-"
+        return f"step {self.step}" + (f" (loss {self.loss:.4f})" if isinstance(self.loss, (int, float)) else "")
 
 
 def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
-    """The last {"kind": "train"} record of metrics.jsonl, reading only the end of the file."""
+    """The last progress record of metrics.jsonl ({"kind": "train"}; task: infer, "infer" or its
+    "end"), reading only the end of the file."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         with open(path, "rb") as fh:
@@ -359,8 +370,15 @@ def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the seek, or still being written
-        if isinstance(record, dict) and record.get("kind") == "train":
+        if not isinstance(record, dict):
+            continue
+        kind = record.get("kind")
+        if kind == "train":
             return Progress(record.get("step"), record.get("loss"))
+        if kind == "infer":
+            return Progress(rows=record.get("rows"), rows_total=record.get("rows_total"))
+        if kind == "end" and "rows" in record:
+            return Progress(rows=record["rows"], rows_total=record["rows"])
     return Progress()
 
 

@@ -21,6 +21,7 @@ from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.spec import Spec
 
 Say = Callable[[str], None]
+WORTH_SPLITTING = 8 << 30  # weights from which submit says how auto could spread a copy (none fits a 16 GB card)
 
 
 def resolve_gpus_per_replica(spec: Spec, *, local: bool, say: Say | None = None) -> Spec:
@@ -39,7 +40,8 @@ def decide_gpus_per_replica(spec: Spec, local: bool, say: Say | None) -> int:
     total, what = (local_gpu_memory(spec) if local else (None, "the cluster's GPUs are not visible from here"))
     budget = cap.gpu_budget(total)
     if weights is None or budget is None:
-        if say and weights is not None:
+        # worth a word only for a model that may not fit one GPU, where a GPU will run it
+        if say and weights is not None and weights >= WORTH_SPLITTING and not (local and total is None):
             say(f"infer.gpus_per_replica: auto is 1 ({what}; {fmt_bytes(weights)} of weights): set "
                 "infer.gpus_per_replica, or infer.max_memory to the GPUs' size, to spread a model over several")
         return 1

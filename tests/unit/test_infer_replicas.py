@@ -160,3 +160,13 @@ def test_a_stop_ends_the_loop_at_once_and_only_a_complete_run_finishes(tmp_path:
     result, progress = infer_loop(ctx, spec, RunPaths(tmp_path), engine, [[i] for i in range(5)], metrics, rows)
     metrics.close()
     assert (result, engine.ran, progress.done) == (outcome, batches_run, batches_run)
+
+
+def test_a_small_model_gets_no_word_about_splitting(tmp_path: Path) -> None:
+    path = infer_spec(tmp_path, gpus=2)
+    doc = json.loads(path.read_text())
+    doc["model"] = {"config": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256}}
+    path.write_text(json.dumps(doc))
+    said: list[str] = []
+    spec = resolve_gpus_per_replica(load_spec(path), local=False, say=said.append)
+    assert spec.infer.gpus_per_replica == 1 and said == []

@@ -171,6 +171,20 @@ def test_last_progress_reads_the_last_train_record(tmp_path):
     assert last_progress(tmp_path / "nothing").step is None
 
 
+def test_status_of_an_infer_run_gives_rows_done_of_total(tmp_path):
+    from hpcgpu.cli.jobs import step_cell
+
+    records = [{"kind": "resume", "rows": 8, "rows_total": 45}, {"kind": "infer", "rows": 24, "rows_total": 45}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = last_progress(tmp_path)
+    assert (p.rows, p.rows_total, p.step, p.text()) == (24, 45, None, "rows 24/45")
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"kind": "end", "rows": 45, "rows_this_start": 37, "tokens": 900}) + "\n")
+    p = last_progress(tmp_path)
+    assert p.text() == "rows 45/45" and step_cell({"rows": p.rows, "rows_total": p.rows_total}) == "45/45 rows"
+    assert step_cell({"step": 200}) == "200" and last_progress(tmp_path / "nothing").text() == "-"
+
+
 # --- sweeps ---------------------------------------------------------------------------------------
 
 def test_sweep_grid_and_flags(tmp_path):
