@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class Context:
             self._closed = True
             self.stop_flag.restore()
             reset_cpu_group()
+            # a DDP model the user's code dropped may still hold the gloo group through its reducer:
+            # freed by the group's destructor it can deadlock at exit (see run_train); freed here first
+            gc.collect()
             _dist.destroy_process_group()
 
     def __enter__(self) -> "Context":
