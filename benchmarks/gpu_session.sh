@@ -4,9 +4,9 @@
 #   phase 2: DeepSpeed vs DDP ($DS_MODELS on 2 GPUs, ZeRO-3 preempt/resume), then the width checks
 #            (benchmarks/four_gpus.py: launchers + ZeRO-2 at every width up to the GPU count; subset
 #            and preemption when 4+ GPUs)
-#   infer:   tests/gpu/test_gpu_infer.py (split over 2 GPUs, int8/int4: carry bitsandbytes), then one
-#            round of benchmarks/infer_throughput.py (pooled in $OUT/ib; call it 3 times) and the
-#            data-parallel scaling over every GPU count up to 4
+#   infer:   tests/gpu/test_gpu_infer.py (split over 2 GPUs, int8/int4: carry bitsandbytes) and one
+#            round of benchmarks/infer_throughput.py (pooled over calls: run the phase 3 times on one
+#            warm machine); with INFER_SCALING=1 instead, the data-parallel scaling up to 4 GPUs (~5 min)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,14 +17,15 @@ phase="${1:-1}"
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/gpus.txt"
 step() { echo "=== $*"; "$@"; echo "=== exit $?"; }
-if [ "$phase" = infer ]; then
-  step python3 -m pytest tests/gpu/test_gpu_infer.py -q -s -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" \
-    | tee "$OUT/gpu_infer_tests.log" | tail -30
-  step python3 benchmarks/infer_throughput.py --variants "plain,plain sorted nocudnn,hpcgpu" --rows 768 --repeats 1 \
-    --work /tmp/ib --append "$OUT/ib_rounds.json" 2>&1 | tee "$OUT/infer_throughput.log" | tail -25
+if [ "$phase" = infer ] && [ "${INFER_SCALING:-0}" = 1 ]; then
   widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
   step python3 benchmarks/infer_throughput.py --scaling --gpus "$widths" --scaling-rows 1536 --repeats 3 --work /tmp/ib \
     2>&1 | tee "$OUT/infer_scaling.log" | tail -12
+elif [ "$phase" = infer ]; then
+  [ -f /tmp/ib/.tested ] || { step python3 -m pytest tests/gpu/test_gpu_infer.py -q -s -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" \
+    | tee "$OUT/gpu_infer_tests.log" | tail -30; mkdir -p /tmp/ib && touch /tmp/ib/.tested; }
+  step python3 benchmarks/infer_throughput.py --variants "plain,plain sorted nocudnn,hpcgpu" --rows 768 --repeats 1 \
+    --work /tmp/ib --append /tmp/ib/rounds.json 2>&1 | tee "$OUT/infer_throughput.log" | tail -25
 elif [ "$phase" = 1 ]; then
   step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" | tee "$OUT/gpu_tests.log" | tail -40
   step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 4 2>&1 | grep -v Warning | tee "$OUT/checkpoint.log" | tail -8
