@@ -69,6 +69,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_common import gpu_name, nvidia_smi_names, rotated, spread
+
 REPO = Path(__file__).resolve().parent.parent
 PLAIN = REPO / "benchmarks" / "plain_generate.py"
 CORPUS = REPO / "configs" / "data" / "pydocs.txt"
@@ -273,10 +275,6 @@ def read_texts(path: Path) -> dict[int, str]:
 
 # ---------------------------------------------------------------- statistics
 
-def spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 def fmt_spread(values: list[float], digits: int = 1) -> str:
     med, lo, hi = spread(values)
     return f"{med:,.{digits}f} [{lo:,.{digits}f}-{hi:,.{digits}f}]"
@@ -331,11 +329,6 @@ def short_measurements(args: argparse.Namespace, results: dict[str, list[dict[st
 
 def verdict_word(args: argparse.Namespace, ok: bool) -> str:
     return "n/a (smoke)" if args.smoke else "PASS" if ok else "FAIL"
-
-
-def rotated(names: list[str], k: int) -> list[str]:
-    k %= max(1, len(names))
-    return names[k:] + names[:k]
 
 
 def earlier_rounds(args: argparse.Namespace, setup: dict[str, Any]) -> tuple[dict[str, list[dict[str, Any]]], int]:
@@ -545,20 +538,6 @@ def scaling(args: argparse.Namespace, work: Path, model_dir: Path, info: dict[st
 
 # ---------------------------------------------------------------- host facts (the parent never touches CUDA:
 # a process of ours on a GPU would make hpcgpu's busy check warn about it)
-
-def nvidia_smi_names() -> list[str] | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    return [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()] if proc.returncode == 0 else None
-
-
-def gpu_name(args: argparse.Namespace) -> str:
-    if args.cpu:
-        return "CPU"
-    names = nvidia_smi_names()
-    return f"{len(names)} x {names[0]}" if names else "GPU (nvidia-smi not found)"
-
 
 def gpu_count(args: argparse.Namespace) -> int | None:
     if args.cpu:

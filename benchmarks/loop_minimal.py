@@ -26,15 +26,13 @@ T_START = time.time()  # the process start as this program sees it (before torch
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from loop_common import build_model, flops_per_token, peak_flops, setup_dist, sync  # noqa: E402
+
 # dense bf16 tensor FLOP/s (no sparsity), hpcgpu/gpu/peak.py's numbers; the first match wins
-PEAK_BF16 = [("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("GH200", 989e12),
-             ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12),
-             ("A6000", 155e12), ("A40", 150e12), ("A10", 125e12), ("L4", 121e12)]
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,53 +59,6 @@ def parse_args() -> argparse.Namespace:
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
     return args
-
-
-def setup_dist(args: argparse.Namespace) -> tuple[int, int, torch.device]:
-    rank, local, world = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world > 1:
-        if use_cuda:
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    return rank, world, device
-
-
-def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    extra = {} if args.vocab > 50256 else {"bos_token_id": None, "eos_token_id": None}  # gpt2's 50256 lies outside
-    cfg = GPT2Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, n_positions=args.seq_len,
-                     vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     attn_implementation="sdpa", **extra)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    with torch.device(device):
-        model = GPT2LMHeadModel(cfg)
-    return model.train()
-
-
-def flops_per_token(model: torch.nn.Module, args: argparse.Namespace) -> float:
-    """hpcgpu's count (runtime/tasks/train.py flops_per_token): 6N plus attention, PaLM appendix B."""
-    n = sum(p.numel() for p in model.parameters())
-    return 6 * n + 12 * args.n_layer * args.n_head * (args.n_embd // args.n_head) * args.seq_len
-
-
-def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[str, float | None]:
-    if device.type != "cuda":
-        return "cpu", None
-    name = torch.cuda.get_device_name(device)
-    if args.peak_tflops:
-        return name, args.peak_tflops * 1e12
-    return name, next((f for key, f in PEAK_BF16 if key.lower() in name.lower()), None)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

@@ -89,6 +89,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_common import gpu_name, nvidia_smi_names, rotated, spread
+
 REPO = Path(__file__).resolve().parent.parent
 LOOPS = {"minimal": REPO / "benchmarks" / "loop_minimal.py", "careful": REPO / "benchmarks" / "loop_careful.py"}
 PROGRAMS = ["minimal", "careful", "hpcgpu"]
@@ -103,20 +105,6 @@ def note(msg: str) -> None:
 
 
 # ---------------------------------------------------------------- host facts (no CUDA in this process)
-
-def nvidia_smi_names() -> list[str] | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
-    return [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()] if proc.returncode == 0 else None
-
-
-def gpu_name(args: argparse.Namespace) -> str:
-    if args.cpu:
-        return "CPU"
-    names = nvidia_smi_names()
-    return f"{len(names)} x {names[0]}" if names else "GPU (nvidia-smi not found)"
-
 
 # ---------------------------------------------------------------- children
 
@@ -321,10 +309,6 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
 
 # ---------------------------------------------------------------- statistics
 
-def spread(values: list[float]) -> tuple[float, float, float]:
-    return statistics.median(values), min(values), max(values)
-
-
 def fmt_spread(values: list[Any], digits: int = 1, scale: float = 1.0, unit: str = "") -> str:
     vals = [v * scale for v in values if isinstance(v, (int, float))]
     if not vals:
@@ -375,11 +359,6 @@ def scaling_of_medians(results: dict[str, dict[str, list[dict[str, Any]]]], prog
     a = [r["tokens_per_s"] for r in results.get(str(n), {}).get(program, [])]
     b = [r["tokens_per_s"] for r in results.get("1", {}).get(program, [])]
     return statistics.median(a) / (n * statistics.median(b)) if a and b else None
-
-
-def rotated(names: list[str], k: int) -> list[str]:
-    k %= max(1, len(names))
-    return names[k:] + names[:k]
 
 
 # ---------------------------------------------------------------- report

@@ -16,7 +16,7 @@ import click
 
 from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.busy import select
+from hpcgpu.gpu.busy import smallest_gpu
 from hpcgpu.gpu.estimate import (INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES, WEIGHTS_SHARE, GiB,
                                  InferDims, MaxMemory, ModelDims, count_params, dims_from_config, estimate, fits,
                                  fewest_gpus_per_replica, fmt_bytes, infer_dims, infer_split_estimate,
@@ -26,18 +26,6 @@ from hpcgpu.gpu.source import default_source
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.runtime.plan import INFER_BATCH_CAP
 from hpcgpu.spec import Spec, load_spec
-
-
-def detected_gpu(spec: Spec) -> tuple[int | None, str]:
-    """The smallest total memory among the GPUs a job here would use, and what they are."""
-    source = default_source()
-    if not source.available():
-        return None, "no GPU detected here"
-    chosen, _ = select(source.read(processes=False), spec.resources.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if not chosen:
-        return None, "no GPU visible here"
-    smallest = min(chosen, key=lambda r: r.memory_total)
-    return smallest.memory_total, f"{smallest.name}, detected"
 
 
 def rows(d: ModelDims, micro: int, world: int, gpu_total: int | None) -> list[dict[str, Any]]:
@@ -81,7 +69,8 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
     spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False)
     if spec.task not in ("train", "infer"):
         raise HpcgpuError(f"task: estimate is for task: train or infer (this spec is task: {spec.task})")
-    gpu_total, gpu_what = (parse_size(gpu_memory), "--gpu-memory") if gpu_memory else detected_gpu(spec)
+    gpu_total, gpu_what = (parse_size(gpu_memory), "--gpu-memory") if gpu_memory else smallest_gpu(
+        spec.resources.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if spec.task == "infer":
         return estimate_infer(spec, gpu_total, gpu_what, prompt_tokens, as_json)
     n_params, cfg = count_params(spec)

@@ -104,3 +104,19 @@ def strictest(thresholds: Sequence[BusyThresholds]) -> BusyThresholds:
         return BusyThresholds()
     return BusyThresholds(min(t.memory_pct for t in thresholds), min(t.util_pct for t in thresholds),
                           any(t.processes for t in thresholds))
+
+
+def smallest_gpu(devices: str | None, cuda_visible: str | None, count: int | None = None) -> tuple[int | None, str]:
+    """The smallest total memory among the GPUs a job here would use (the first `count` of them), and
+    what that GPU is; (None, why) without one."""
+    from hpcgpu.gpu.source import default_source
+
+    source = default_source()
+    if not source.available():
+        return None, "no GPU detected here"
+    chosen, _ = select(source.read(processes=False), devices, cuda_visible)
+    chosen = chosen[:count] if count is not None else chosen
+    if not chosen:
+        return None, "no GPU visible here"
+    smallest = min(chosen, key=lambda r: r.memory_total)
+    return smallest.memory_total, f"{smallest.name}, detected"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,11 +34,13 @@ def resolve_gpus_per_replica(spec: Spec, *, local: bool, say: Say | None = None)
 
 
 def decide_gpus_per_replica(spec: Spec, local: bool, say: Say | None) -> int:
+    from hpcgpu.gpu.busy import smallest_gpu
     from hpcgpu.gpu.estimate import fewest_gpus_per_replica, fmt_bytes, parse_max_memory, spec_weights_format
 
     weights = config_weights(spec)
     cap = parse_max_memory(spec.infer.max_memory)
-    total, what = (local_gpu_memory(spec) if local else (None, "the cluster's GPUs are not visible from here"))
+    total, what = (smallest_gpu(spec.resources.devices, os.environ.get("CUDA_VISIBLE_DEVICES"), spec.resources.gpus)
+                   if local else (None, "the cluster's GPUs are not visible from here"))
     budget = cap.gpu_budget(total)
     if weights is None or budget is None:
         # worth a word only for a model that may not fit one GPU, where a GPU will run it
@@ -81,22 +84,6 @@ def config_weights(spec: Spec) -> int | None:
         return config_weight_bytes(cfg, spec_weights_format(spec))
     except (HpcgpuError, TypeError, ValueError, KeyError):
         return None  # a config the analytic count does not know: no auto split
-
-
-def local_gpu_memory(spec: Spec) -> tuple[int | None, str]:
-    """The smallest total memory among the GPUs the local executor would give the job."""
-    from hpcgpu.gpu.source import default_source
-    from hpcgpu.launch.local import local_gpus
-
-    gpus = local_gpus(spec)[:spec.resources.gpus]
-    source = default_source()
-    if not gpus or not source.available():
-        return None, "no GPU here"
-    readings = [r for r in source.read(processes=False) if str(r.index) in gpus]
-    if not readings:
-        return None, "no GPU here"
-    smallest = min(readings, key=lambda r: r.memory_total)
-    return smallest.memory_total, f"{smallest.name}"
 
 
 def quantization_problem(spec: Spec, *, local: bool) -> str | None:

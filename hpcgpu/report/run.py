@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcgpu.contract import FINISHED_MARKER
+from hpcgpu.contract import FINISHED_MARKER, is_finished
 from hpcgpu.errors import HpcgpuError
 
 GiB = 1 << 30
@@ -303,7 +303,7 @@ def summarize_infer(d: RunData) -> InferSummary:
     timed = elapsed > 0
     rows = [int(r["rows"]) for r in d.infer + d.events if isinstance(r.get("rows"), int)]
     peak, mean_util = _gpu_stats(d)
-    finished = (d.run_dir / FINISHED_MARKER).exists()
+    finished = is_finished(d.run_dir)
     return InferSummary(
         task="infer", mode=d.mode, rows=max(rows) if rows else None,
         rows_total=_rows_total(d),

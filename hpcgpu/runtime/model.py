@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.estimate import MaxMemory
 from hpcgpu.spec import Spec
 
 SPEC_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -76,20 +77,17 @@ def model_config(spec: Spec) -> Any:
 
 # ---------------------------------------------------------------- task: infer on GPUs
 
-def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap: MaxMemory) -> torch.nn.Module:
     """The inference model in eval mode: on `device` whole (one GPU, a CPU rank), or placed by
     accelerate's planner over the replica's GPUs (gpus_per_replica > 1, a max_memory cap, CPU
     offload) with int8/int4 weights where model.quantization says so. The replica's GPUs are all
-    this process sees (runtime/env.py bind_gpu_group)."""
-    from hpcgpu.gpu.estimate import parse_max_memory
-
+    this process sees (runtime/env.py bind_gpu_group). cap: infer.max_memory, read."""
     q = spec.model.quantization
     if device.type != "cuda":
         if q != "none":
             raise HpcgpuError(f"model.quantization: {q} runs on a GPU only (bitsandbytes), and this rank has none; "
                               "use quantization: none")
         return build_model(spec, spec.train.seed, device, dtype=dtype).to(device).eval()
-    cap = parse_max_memory(spec.infer.max_memory)
     placed = spec.gpus_per_task > 1 or cap.cpu or cap.gpu is not None or q != "none"
     if not placed:
         return build_model(spec, spec.train.seed, device, dtype=dtype, load_on_device=True).to(device).eval()

@@ -284,6 +284,7 @@ INFER_CPU_BATCH = 8  # rows a batch on CPU ranks (batch_size: auto)
 INFER_BATCH_CAP = {"generate": 256, "score": 64}  # the most rows a batch batch_size: auto gives on a GPU
 INFER_MIN_BATCHES = 16  # auto: batches small enough for this many (or rows / 8): up to 16 replicas all get work
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_OF_PRECISION = {p: d for d, p in PRECISION_OF_DTYPE.items()}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from hpcgpu.contract import ENV_GPU_MEMORY, ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.estimate import MaxMemory, parse_max_memory
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.infer_rows import Row, read_rows
 from hpcgpu.runtime import infer_outputs as outputs
@@ -52,8 +53,8 @@ from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import load_for_inference, model_config, placement
-from hpcgpu.runtime.plan import (DTYPE_BYTES, RunPlan, check_recorded, infer_precision, infer_row_bytes, plan_infer,
-                                 recorded_plan, with_replicas)
+from hpcgpu.runtime.plan import (DTYPE_BYTES, DTYPE_OF_PRECISION, RunPlan, check_recorded, infer_precision,
+                                 infer_row_bytes, plan_infer, recorded_plan, with_replicas)
 from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan, set_cpu_threads
 from hpcgpu.spec import Spec
 
@@ -202,11 +203,10 @@ def row_bytes(config: Any, mode: str, max_tokens: int, precision: str) -> int:
                            dtype_bytes=DTYPE_BYTES[precision])
 
 
-def memory_budget(spec: Spec, model: torch.nn.Module, device: torch.device) -> int | None:
+def memory_budget(model: torch.nn.Module, device: torch.device, cap: int | None) -> int | None:
     """GPU memory the rows of a batch may use: what the replica's GPUs have free beside the weights
     less headroom, within infer.max_memory's cap per GPU (weights included); None on CPU ranks.
     HPCGPU_GPU_MEMORY stands for the card's memory (as for train), on CPU ranks too."""
-    cap = max_memory_cap(spec)
     if os.environ.get(ENV_GPU_MEMORY):
         from hpcgpu.runtime.plan import gpu_memory_reading
 
@@ -226,27 +226,18 @@ def memory_budget(spec: Spec, model: torch.nn.Module, device: torch.device) -> i
     return budget
 
 
-def max_memory_cap(spec: Spec) -> int | None:
-    """infer.max_memory's cap per GPU in bytes (None: auto)."""
-    from hpcgpu.gpu.estimate import parse_max_memory
-
-    return parse_max_memory(spec.infer.max_memory).gpu
-
-
-def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.device) -> None:
+def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.device, cap: MaxMemory) -> None:
     """Weights that cannot fit this replica's GPUs (and CPU offload) at all: one line naming the
     setting that would, before anything loads (instead of an out-of-memory error minutes later)."""
     if device.type != "cuda":
         return
-    from hpcgpu.gpu.estimate import (config_weight_bytes, fewest_gpus_per_replica, fmt_bytes, parse_max_memory,
-                                     usable_bytes)
+    from hpcgpu.gpu.estimate import config_weight_bytes, fewest_gpus_per_replica, fmt_bytes, usable_bytes
 
-    fmt = spec.model.quantization if spec.model.quantization != "none" else PRECISION_FORMATS[precision]
+    fmt = spec.model.quantization if spec.model.quantization != "none" else DTYPE_OF_PRECISION[precision]
     try:
         weights = config_weight_bytes(config, fmt)
     except (HpcgpuError, TypeError, ValueError):
         return  # a config the analytic count does not know
-    cap = parse_max_memory(spec.infer.max_memory)
     g = torch.cuda.device_count()
     each = min(int(torch.cuda.mem_get_info(i)[0]) for i in range(g))
     if cap.gpu is not None:
@@ -259,9 +250,6 @@ def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.de
            "use model.quantization int8 or int4, or offload to CPU (infer.max_memory: 'auto,cpu=SIZE')")
     raise HpcgpuError(f"infer.gpus_per_replica: {fmt_bytes(weights)} of {fmt} weights do not fit on this model "
                       f"copy's {g} GPU(s) ({fmt_bytes(each)} free each); {fix} (hpcgpu estimate shows the options)")
-
-
-PRECISION_FORMATS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 # ---------------------------------------------------------------- generation and scoring
@@ -420,12 +408,12 @@ def settle_infer_plan(ctx: Context, spec: Spec, paths: RunPaths, digest: str) ->
 
 
 def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str, ids: Sequence[list[int]],
-               digest: str) -> RunPlan:
+               digest: str, cap: MaxMemory) -> RunPlan:
     inf = spec.infer
     max_tokens = max(len(s) for s in ids) + (inf.max_new_tokens if inf.mode == "generate" else 0)
     budget, per_row = None, None
     if inf.batch_size == "auto":
-        budget = memory_budget(spec, model, ctx.device)
+        budget = memory_budget(model, ctx.device, cap.gpu)
         if budget is not None:  # the same on every rank: the device kind and the environment are
             from hpcgpu.runtime.dist import agreed_min
 
@@ -648,7 +636,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     inf = spec.infer
     source = str(inf.input)
     model_ref = spec.model.name_or_path or "model.config"
-    max_memory_cap(spec)  # a bad size fails now, not after the weights loaded
+    cap = parse_max_memory(inf.max_memory)  # a bad one fails now, not after the weights loaded
     rows = read_rows(source, inf.mode)
     digest = file_digest(source)
     codec = Codec(load_infer_tokenizer(spec), model_ref)
@@ -658,9 +646,9 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     plan = settle_infer_plan(ctx, spec, paths, digest)
     precision = plan.precision if plan is not None else infer_precision(
         spec.model.dtype, ctx.device.type, ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
-    check_replica_fits(spec, config, precision, ctx.device)
+    check_replica_fits(spec, config, precision, ctx.device, cap)
     t0 = time.perf_counter()
-    model = load_for_inference(spec, ctx.device, TORCH_DTYPES[precision])
+    model = load_for_inference(spec, ctx.device, TORCH_DTYPES[precision], cap)
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{spec.gpus_per_task} GPUs" if ctx.device.type == "cuda" and spec.gpus_per_task > 1 else f"{ctx.device}"
     quant = f" ({spec.model.quantization} weights)" if spec.model.quantization != "none" else ""
@@ -669,7 +657,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     for line in placement(model):
         log.info(f"placement: {line}")
     if plan is None:
-        plan = fresh_plan(ctx, spec, model, config, precision, ids, digest)
+        plan = fresh_plan(ctx, spec, model, config, precision, ids, digest, cap)
     ctx.plan = plan
     record_plan(ctx, plan, paths)  # a barrier first: every rank has read the recorded plan (or none)
     if ctx.should_stop():
