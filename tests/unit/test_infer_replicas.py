@@ -170,3 +170,25 @@ def test_a_small_model_gets_no_word_about_splitting(tmp_path: Path) -> None:
     said: list[str] = []
     spec = resolve_gpus_per_replica(load_spec(path), local=False, say=said.append)
     assert spec.infer.gpus_per_replica == 1 and said == []
+
+
+def test_weights_that_cannot_fit_the_copys_gpus_are_one_line_naming_the_setting_that_would(monkeypatch) -> None:
+    """In the job, before loading: 15 GiB of bf16 weights on one GPU with 10 GiB free (a stand-in for
+    CUDA's memory readings: no GPU here)."""
+    import torch
+
+    from hpcgpu.errors import HpcgpuError
+    from hpcgpu.gpu.estimate import MaxMemory
+    from hpcgpu.runtime.tasks.infer import check_replica_fits
+    from hpcgpu.spec.schema import Infer, Model, Resources, Spec
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    # a 24 GiB card of which another process holds 14: the advice goes by the 10 free
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (10 << 30, 24 << 30))
+    spec = Spec(name="big", task="infer", model=Model(config=LLAMA_8B), resources=Resources(gpus=4),
+                infer=Infer(input="p.jsonl", gpus_per_replica=1))
+    with pytest.raises(HpcgpuError) as err:
+        check_replica_fits(spec, LLAMA_8B, "bf16", torch.device("cuda", 0), MaxMemory())
+    assert "15.0 GiB of bfloat16 weights do not fit on this model copy's 1 GPU(s)" in str(err.value)
+    assert "set infer.gpus_per_replica: 2" in str(err.value)
+    check_replica_fits(spec, LLAMA_8B, "bf16", torch.device("cuda", 0), MaxMemory(cpu=8 << 30))  # offload: fits

@@ -231,7 +231,7 @@ def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.de
     setting that would, before anything loads (instead of an out-of-memory error minutes later)."""
     if device.type != "cuda":
         return
-    from hpcgpu.gpu.estimate import config_weight_bytes, fewest_gpus_per_replica, fmt_bytes, usable_bytes
+    from hpcgpu.gpu.estimate import config_weight_bytes, fewest_gpus_per_replica, fmt_bytes
 
     fmt = spec.model.quantization if spec.model.quantization != "none" else DTYPE_OF_PRECISION[precision]
     try:
@@ -244,8 +244,8 @@ def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.de
         each = min(each, cap.gpu)
     if weights <= g * each + cap.cpu:
         return
-    total = int(torch.cuda.get_device_properties(0).total_memory)
-    need = fewest_gpus_per_replica(weights, usable_bytes(total), spec.resources.gpus, cap.cpu)
+    # by what the GPUs have free now, not their size: another process may hold part of them
+    need = fewest_gpus_per_replica(weights, each, spec.resources.gpus, cap.cpu)
     fix = (f"set infer.gpus_per_replica: {need}" if need else
            "use model.quantization int8 or int4, or offload to CPU (infer.max_memory: 'auto,cpu=SIZE')")
     raise HpcgpuError(f"infer.gpus_per_replica: {fmt_bytes(weights)} of {fmt} weights do not fit on this model "
