@@ -56,7 +56,7 @@ class Context:
 
     def should_stop(self) -> bool:
         """True on every rank once any rank got the preemption signal (collective: call on all ranks)."""
-        return _dist.all_reduce_max(self.stop_flag.is_set, self.device)
+        return _dist.any_rank([self.stop_flag.is_set], _dist.coordination_group(self.device))[0]
 
     def barrier(self) -> None:
         _dist.barrier()
@@ -66,6 +66,7 @@ class Context:
             self._closed = True
             self.stop_flag.restore()
             reset_cpu_group()
+            _dist.reset_coordination_group()
             # a DDP model the user's code dropped may still hold the gloo group through its reducer:
             # freed by the group's destructor it can deadlock at exit (see run_train); freed here first
             gc.collect()

@@ -1,84 +1,34 @@
-"""Training data: text or JSONL, tokenized once, packed into seq_len blocks, split across ranks.
+"""Training data: a prepared dataset (hpcgpu/data) memory-mapped by every rank, cut into seq_len
+blocks and split across ranks. A raw .txt/.jsonl/parquet file is prepared once through the cache.
 
 The order of blocks depends only on (seed, epoch): every global batch is the same sequences whatever
 the number of ranks, so changing the GPU count changes neither the data nor the loss curve.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
 
+from hpcgpu.data import PreparedData, open_training_data
+from hpcgpu.data.sources import iter_documents, open_source
+from hpcgpu.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hpcgpu.errors import HpcgpuError
 
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0-255: needs no files, works for any text."""
-
-    vocab_size = 256
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def save_pretrained(self, path: str | Path) -> None:
-        Path(path, "hpcgpu_tokenizer.json").write_text(json.dumps({"type": "bytes", "vocab_size": 256}) + "\n")
+__all__ = ["BatchSchedule", "ByteTokenizer", "DataPosition", "TokenBlocks", "Tokenizer", "eval_batches",
+           "load_blocks", "load_tokenizer", "read_texts", "tokenize"]
 
 
-def load_tokenizer(name_or_path: str | None) -> Any:
-    """The model's own tokenizer if its directory has one, else the byte-level tokenizer."""
-    if name_or_path:
-        marker = Path(name_or_path, "hpcgpu_tokenizer.json")
-        if marker.exists():
-            return ByteTokenizer()
-        try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(name_or_path)
-        except (OSError, ValueError):
-            pass  # a model directory without tokenizer files
-    return ByteTokenizer()
-
-
-def read_texts(path: str) -> list[str]:
-    p = Path(path)
-    if not p.exists():
-        raise HpcgpuError(f"data file not found: {path}")
-    if p.suffix == ".jsonl":
-        texts = []
-        for n, line in enumerate(read_utf8(p).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                text = None
-            if not isinstance(text, str):
-                raise HpcgpuError(f"{path}:{n}: expected a JSON object with a \"text\" field (a string)")
-            texts.append(text)
-        return texts
-    return [read_utf8(p)]
-
-
-def read_utf8(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise HpcgpuError(f"{path}: not UTF-8 text (byte {exc.start}); convert it or give a .jsonl") from None
+def read_texts(path: str, text_field: str = "text") -> list[str]:
+    """Every document of a raw file, in memory (small files and tests; training maps prepared data)."""
+    return [text for text, _ in iter_documents(open_source(path), text_field) if text is not None]
 
 
 def tokenize(texts: list[str], tokenizer: Any) -> np.ndarray:
+    """The reference token stream: each text's ids, then eos when there are several texts.
+    Prepared datasets hold exactly this stream (tests compare them)."""
     ids: list[int] = []
     eos = getattr(tokenizer, "eos_token_id", None)
     for text in texts:
@@ -88,15 +38,59 @@ def tokenize(texts: list[str], tokenizer: Any) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def pack(ids: np.ndarray, seq_len: int, source: str) -> torch.Tensor:
-    n = len(ids) // seq_len
-    if n == 0:
-        raise HpcgpuError(f"{source}: {len(ids)} tokens is less than one sequence of seq_len={seq_len}")
-    return torch.from_numpy(ids[: n * seq_len].reshape(n, seq_len).copy())
+class TokenBlocks:
+    """seq_len-token blocks over a memory-mapped token file: a view, so start-up time and memory do not
+    grow with the data; rows are read when a batch asks for them. The tail short of a block is dropped."""
+
+    dtype = torch.int64  # of the batches it gives (the file holds uint16/uint32)
+
+    def __init__(self, data: PreparedData, seq_len: int, source: str):
+        n = data.num_tokens // seq_len
+        if n == 0:
+            raise HpcgpuError(f"{source}: {data.num_tokens} tokens is less than one sequence of seq_len={seq_len}")
+        self.rows = data.tokens[: n * seq_len].reshape(n, seq_len)
+        self.seq_len = seq_len
+        self.max_token_id: Optional[int] = data.max_token_id
+        self.path = data.path
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.rows), self.seq_len)
+
+    @property
+    def int64_bytes(self) -> int:
+        return len(self.rows) * self.seq_len * 8
+
+    def take(self, idx: Union[torch.Tensor, np.ndarray, list[int]]) -> torch.Tensor:
+        """The blocks at `idx` (in that order) as an int64 tensor. Rows are read in file order (sorted),
+        which turns random reads of a large file into a forward sweep."""
+        idx = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64).reshape(-1)
+        order = np.argsort(idx, kind="stable")
+        out = np.empty((len(idx), self.seq_len), dtype=np.int64)
+        out[order] = self.rows[idx[order]]
+        return torch.from_numpy(out)
+
+    def __getitem__(self, key: Union[slice, torch.Tensor, np.ndarray, list[int]]) -> torch.Tensor:
+        if isinstance(key, slice):
+            return torch.from_numpy(np.asarray(self.rows[key], dtype=np.int64))
+        return self.take(key)
+
+    def tensor(self) -> torch.Tensor:
+        """Every block as one int64 tensor: for small sets only (kept on the GPU, tests)."""
+        return self[:]
+
+    def flatten(self) -> torch.Tensor:
+        return self.tensor().flatten()
 
 
-def load_blocks(path: str, tokenizer: Any, seq_len: int) -> torch.Tensor:
-    return pack(tokenize(read_texts(path), tokenizer), seq_len, path)
+def load_blocks(path: str, tokenizer: Any, seq_len: int, text_field: str = "text",
+                cache_dir: Optional[str] = None) -> TokenBlocks:
+    """The seq_len blocks of data.train/data.eval: a prepared folder, or a raw file prepared (once,
+    through the cache) with `tokenizer`."""
+    return TokenBlocks(open_training_data(path, tokenizer, text_field, cache_dir), seq_len, path)
 
 
 @dataclass
@@ -150,10 +144,11 @@ class BatchSchedule:
         self.pos = DataPosition(int(state["epoch"]), int(state["offset"]))
 
 
-def eval_batches(blocks: torch.Tensor, micro: int, n_batches: int, rank: int, world: int) -> Iterator[torch.Tensor]:
+def eval_batches(blocks: Union[TokenBlocks, torch.Tensor], micro: int, n_batches: int, rank: int,
+                 world: int) -> Iterator[torch.Tensor]:
     """A fixed slice of the eval set per rank: the same every time, so eval losses compare."""
     total = min(len(blocks), micro * n_batches * world)
     per_rank = total // world
-    mine = blocks[rank * per_rank: (rank + 1) * per_rank]
-    for i in range(0, len(mine) - micro + 1, micro):
-        yield mine[i: i + micro]
+    first = rank * per_rank
+    for i in range(first, first + per_rank - micro + 1, micro):
+        yield blocks[i: i + micro]

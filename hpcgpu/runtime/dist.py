@@ -65,13 +65,36 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_max(flag: bool, device: torch.device) -> bool:
-    """True if any rank says True (a step-boundary agreement)."""
+_COORDINATION: Any = None
+
+
+def coordination_group(device: torch.device) -> Any:
+    """The group ranks agree in at step boundaries (stop flag, checkpoint timing, progress): gloo on
+    host tensors, so agreeing never waits for a GPU stream and the CPU keeps queueing kernels. On GPUs
+    a gloo group of its own, created collectively on first use; on CPU ranks the default (gloo)
+    group; None without a process group."""
+    global _COORDINATION
     if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+        return None
+    if device.type != "cuda":
+        return dist.group.WORLD
+    if _COORDINATION is None:
+        _COORDINATION = dist.new_group(backend="gloo")
+    return _COORDINATION
+
+
+def reset_coordination_group() -> None:
+    global _COORDINATION
+    _COORDINATION = None
+
+
+def any_rank(flags: list[bool], group: Any) -> list[bool]:
+    """Each flag, True if it is True on any rank (collective over `group`; host memory only)."""
+    if group is None:
+        return list(flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [v > 0 for v in t.tolist()]
 
 
 def agreed_min(value: int, device: torch.device) -> int:

@@ -222,6 +222,11 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         reason = rec.reason if auto else "micro batch and strategy as the spec fixes them"
     strategy = fixed or rec.strategy
     per_rank, accum = batch_split(t.global_batch_size, world, rec.micro_batch, ranks=ranks)
+    if strategy == "ddp" and spec.distributed.ddp.static_graph and accum > 1:
+        # torch's reducer asserts under no_sync, or, patched, stops reducing (pytorch#143580)
+        raise HpcgpuError(f"distributed.ddp.static_graph: true does not work with gradient accumulation "
+                          f"(this run accumulates {accum} micro batches); set it to false or give "
+                          "train.micro_batch_size = global batch / GPUs")
     ds = spec.distributed.deepspeed
     if strategy != "deepspeed":
         stage, off_opt, off_params = None, False, False

@@ -134,9 +134,22 @@ class Nccl:
 
 
 @dataclass(frozen=True)
+class Ddp:
+    """torch's DistributedDataParallel arguments, passed through as written (defaults: torch's)."""
+    bucket_cap_mb: float = field(default=25.0, metadata=meta("gradient bucket size in MiB", min=1))
+    gradient_as_bucket_view: bool = field(default=False, metadata=meta(
+        "gradients are views into the all-reduce buckets: one copy and its memory less per step"))
+    static_graph: bool = field(default=False, metadata=meta(
+        "the same parameters are used in the same order every step (lets DDP skip the search)"))
+    find_unused_parameters: bool = field(default=False, metadata=meta(
+        "for models whose forward leaves some parameters unused (slower)"))
+
+
+@dataclass(frozen=True)
 class Distributed:
     strategy: Literal["auto", "ddp", "deepspeed", "none"] = field(default="auto", metadata=meta(
         "auto picks ddp for several ranks, none for one"))
+    ddp: Ddp = field(default_factory=Ddp, metadata=meta("DistributedDataParallel settings (strategy ddp)"))
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed, metadata=meta("DeepSpeed settings"))
     nccl: Nccl = field(default_factory=Nccl, metadata=meta("NCCL settings exported before init"))
 
@@ -156,9 +169,16 @@ class Model:
 
 @dataclass(frozen=True)
 class Data:
-    train: Optional[str] = field(default=None, metadata=meta("a .txt file or .jsonl with a \"text\" field"))
-    eval: Optional[str] = field(default=None, metadata=meta("held-out text for the eval loss"))
+    train: Optional[str] = field(default=None, metadata=meta(
+        "a .txt file, a .jsonl (one document a line, in data.text_field), .parquet/.arrow files or a folder "
+        "of them (prepared once into data.cache_dir), or a folder `hpcgpu data prepare` wrote"))
+    eval: Optional[str] = field(default=None, metadata=meta(
+        "held-out data for the eval loss, in any form data.train takes"))
     seq_len: int = field(default=256, metadata=meta("tokens per training sequence", min=8))
+    text_field: str = field(default="text", metadata=meta(
+        "the field of a .jsonl line (column of a parquet/arrow file) that holds a document's text"))
+    cache_dir: Optional[str] = field(default=None, metadata=meta(
+        "where raw data files are prepared (tokenized) once; default $HPCGPU_DATA_CACHE or ~/.cache/hpcgpu/data"))
 
 
 @dataclass(frozen=True)

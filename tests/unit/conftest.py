@@ -182,3 +182,14 @@ def kill_leftovers(marker: str) -> None:
             proc.kill()
         except psutil.Error:
             pass
+
+
+import pytest  # noqa: E402  (the fixture below is an addition to the helpers above)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_data_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Raw data files the tests train on are prepared into a cache of the tests' own, never the user's
+    ~/.cache/hpcgpu/data. XDG_CACHE_HOME (not HPCGPU_DATA_CACHE) because job_env() drops HPCGPU_*."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    os.environ.pop("HPCGPU_DATA_CACHE", None)

@@ -16,6 +16,7 @@ from conftest import EVAL_TEXT, only_run_dir, submit, submit_all, train_records,
 pytestmark = pytest.mark.slow
 
 STEPS = 12
+DDP_OPTIONS = {"bucket_cap_mb": 1, "gradient_as_bucket_view": True, "static_graph": True}
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -49,6 +50,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
     specs = {
         "ddp": (train_spec("ddp", train={"max_steps": STEPS}), ()),
         "one": (train_spec("ddp", train={"max_steps": STEPS}), ("--gpus", "1")),
+        "ddpopts": (train_spec("ddp", train={"max_steps": STEPS, "micro_batch_size": 4},
+                               distributed={"ddp": DDP_OPTIONS}), ()),
+        "staticaccum": (train_spec("ddp", train={"max_steps": 2}, distributed={"ddp": {"static_graph": True}}), ()),
         "micro4": (train_spec("micro4", resources={"gpus": 1}, train={"max_steps": 8, "micro_batch_size": 4}), ()),
         "micro1": (train_spec("micro1", resources={"gpus": 1}, train={"max_steps": 8, "micro_batch_size": 1}), ()),
         "smallvocab": (train_spec("smallvocab", resources={"gpus": 1}, model={"config": {"vocab_size": 100}}), ()),
@@ -112,6 +116,20 @@ def test_one_and_two_ranks_follow_the_same_loss_curve(ddp_run: Path, jobs: dict)
     assert len(a) == len(b) == STEPS
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert y == pytest.approx(x, rel=1e-4), f"step {step}: 2 ranks {x} vs 1 rank {y}"
+
+
+def test_ddp_options_reach_the_wrapper_and_keep_the_loss_curve(ddp_run: Path, jobs: dict) -> None:
+    run = succeeded(jobs["ddpopts"], "ddp")
+    assert "DDP buckets 1 MiB, gradient_as_bucket_view, static_graph" in (run / "logs" / "rank-0.log").read_text()
+    default = (ddp_run / "logs" / "rank-0.log").read_text()
+    assert "DDP buckets 25 MiB" in default and "gradient_as_bucket_view" not in default
+    assert losses(run) == pytest.approx(losses(ddp_run), rel=1e-4)  # micro 4 x accum 1 vs micro 2 x accum 2
+
+
+def test_static_graph_with_accumulation_is_one_clear_error(jobs: dict) -> None:
+    proc, _ = jobs["staticaccum"]
+    assert proc.returncode == 2
+    assert_one_line_error(proc, "distributed.ddp.static_graph: true does not work with gradient accumulation")
 
 
 def test_micro_batch_size_does_not_change_the_loss_curve(jobs: dict) -> None:

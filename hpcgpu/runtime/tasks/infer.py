@@ -51,6 +51,7 @@ from hpcgpu.infer_rows import Row, read_rows
 from hpcgpu.runtime import infer_outputs as outputs
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
+from hpcgpu.runtime.dist import coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import load_for_inference, model_config, placement
 from hpcgpu.runtime.plan import (DTYPE_BYTES, DTYPE_OF_PRECISION, RunPlan, check_recorded, infer_precision,
@@ -426,15 +427,6 @@ def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str
 
 
 # ---------------------------------------------------------------- the loop
-
-def coordination_group(device: torch.device) -> Any:
-    """The group the replicas agree in (batches left, the stop flag, progress): gloo on the CPU, so
-    that coordinating never touches a GPU stream. On GPUs a gloo group of its own (created
-    collectively), on CPU ranks the default (gloo) group; None alone."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-
 
 def all_sum(values: list[float], group: Any) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)

@@ -29,8 +29,8 @@ from hpcgpu.contract import ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import Context, init
-from hpcgpu.runtime.data import BatchSchedule, eval_batches, load_blocks, load_tokenizer
-from hpcgpu.runtime.dist import init_process_group
+from hpcgpu.runtime.data import BatchSchedule, TokenBlocks, eval_batches, load_blocks, load_tokenizer
+from hpcgpu.runtime.dist import any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, settle_plan, write_plan
@@ -49,17 +49,18 @@ AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": tor
 DEVICE_TOKENS_MAX_BYTES = 1 << 30
 
 
-def place_tokens(blocks: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Keep the token blocks on the GPU when they are small: no host-to-device copy in the step."""
-    if device.type == "cuda" and blocks.numel() * blocks.element_size() <= DEVICE_TOKENS_MAX_BYTES:
-        return blocks.to(device)
+def place_tokens(blocks: TokenBlocks, device: torch.device) -> TokenBlocks | torch.Tensor:
+    """Keep the token blocks on the GPU (as int64) when they are small: no host-to-device copy in the
+    step. Larger sets stay memory-mapped and each batch is read from the file."""
+    if device.type == "cuda" and blocks.int64_bytes <= DEVICE_TOKENS_MAX_BYTES:
+        return blocks.tensor().to(device)
     return blocks
 
 
-def fetch_batch(blocks: torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if blocks.device == device:
-        return blocks[idx.to(device, non_blocking=True)]
-    batch = blocks[idx]
+def fetch_batch(blocks: TokenBlocks | torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(blocks, torch.Tensor):  # placed on the GPU
+        return blocks[idx.to(blocks.device, non_blocking=True)]
+    batch = blocks.take(idx)
     if device.type == "cuda":
         batch = batch.pin_memory()  # an asynchronous copy: the CPU keeps queueing the step's kernels
     return batch.to(device, non_blocking=True)
@@ -109,6 +110,12 @@ def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device,
     return torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=fused)
 
 
+def ddp_options(spec: Spec) -> dict[str, Any]:
+    d = spec.distributed.ddp
+    return {"bucket_cap_mb": d.bucket_cap_mb, "gradient_as_bucket_view": d.gradient_as_bucket_view,
+            "static_graph": d.static_graph, "find_unused_parameters": d.find_unused_parameters}
+
+
 # ---------------------------------------------------------------- RNG state (fixed keys)
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -142,8 +149,9 @@ class Trainer:
         self.micro, self.accum = p.micro_batch, p.accum
         self.amp_dtype = AMP_DTYPES[plan.precision]
         self.tokenizer = load_tokenizer(spec.model.name_or_path)
-        self.train_blocks = load_blocks(spec.data.train or "", self.tokenizer, spec.data.seq_len)
-        self.eval_blocks = load_blocks(spec.data.eval, self.tokenizer, spec.data.seq_len) if spec.data.eval else None
+        d = spec.data
+        self.train_blocks = load_blocks(d.train or "", self.tokenizer, d.seq_len, d.text_field, d.cache_dir)
+        self.eval_blocks = load_blocks(d.eval, self.tokenizer, d.seq_len, d.text_field, d.cache_dir) if d.eval else None
         self.schedule = BatchSchedule(len(self.train_blocks), t.seed, ctx.rank, global_batch=p.global_batch,
                                       per_rank=p.batch_per_rank, micro=p.micro_batch)
         self.ds = self._deepspeed_run()
@@ -189,12 +197,14 @@ class Trainer:
             model = torch.compile(model)  # type: ignore[assignment]
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DDP(model, device_ids=ids)
+            model = DDP(model, device_ids=ids, **ddp_options(self.spec))
         return model
 
     def _check_vocab(self) -> None:
         vocab = getattr(self.raw_model.config, "vocab_size", None)
-        top = int(self.train_blocks.max())
+        # the largest id the prepared data holds, from its manifest: the tokens are not scanned
+        tops = [b.max_token_id for b in (self.train_blocks, self.eval_blocks) if b is not None]
+        top = max((t for t in tops if t is not None), default=-1)
         if vocab is not None and top >= vocab:
             raise HpcgpuError(f"model vocab_size {vocab} is too small for the tokenizer (token id {top}); "
                               "use vocab_size >= 256 for the byte-level tokenizer")
@@ -350,22 +360,6 @@ def inject_signal(ctx: Context, tr: Trainer) -> None:
         os.kill(os.getpid(), getattr(signal, f"SIG{signal_name(ctx.spec)}"))
 
 
-def step_boundary(ctx: Context, loss_t: torch.Tensor, *flags: bool) -> tuple[float, bool, bool, bool]:
-    """All-reduce (sum) of [loss, flags...]: the mean loss over ranks, and each flag set on any rank.
-
-    Reading the result synchronises with the device, so the step clock that follows is real time.
-    """
-    t = loss_t.detach().float().reshape(1).repeat(1 + len(flags))  # stays on the device
-    t[1:].zero_()
-    for i, flag in enumerate(flags):
-        if flag:  # almost never: no host-to-device copy (a pageable copy would stall the stream)
-            t[1 + i].fill_(1.0)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    values = t.tolist()
-    return (values[0] / ctx.world_size, *(v > 0 for v in values[1:]))  # type: ignore[return-value]
-
-
 # ---------------------------------------------------------------- the loop
 
 class StepLog:
@@ -381,15 +375,21 @@ class StepLog:
 
     @contextlib.contextmanager
     def not_step_time(self) -> Iterator[None]:
-        """Eval and checkpoint time is left out of ms/step and tokens/s."""
+        """Eval and checkpoint time is left out of ms/step and tokens/s. The steps queued on the GPU
+        finish first, so that their time is not left out with it."""
+        if self.tr.device.type == "cuda":
+            torch.cuda.synchronize(self.tr.device)
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.excluded_s += time.perf_counter() - t0
 
-    def log(self, loss: float) -> None:
+    def log(self, loss_t: torch.Tensor) -> None:
+        """Collective: the loss is averaged over ranks, which also waits for the queued steps, so the
+        interval's clock is real time."""
         tr = self.tr
+        loss = mean_over_ranks(loss_t)
         now = time.perf_counter()
         steps = max(1, tr.step - self.last_step)
         dt = now - self.last_time - self.excluded_s
@@ -429,7 +429,13 @@ def describe(tr: Trainer) -> str:
     n, p = tr.n_params, tr.tp
     return (f"model {n / 1e6:.2f}M params on {tr.device} x {tr.world} ({tr.strategy}); global batch "
             f"{p.global_batch} = micro {p.micro_batch} x accum {p.accum} x {tr.world} ranks; "
-            f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences")
+            f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences"
+            + (f"; DDP {describe_ddp(ddp_options(tr.spec))}" if tr.strategy == "ddp" else ""))
+
+
+def describe_ddp(options: dict[str, Any]) -> str:
+    flags = [name for name, value in options.items() if value is True]
+    return f"buckets {options['bucket_cap_mb']:g} MiB" + "".join(f", {name}" for name in flags)
 
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
@@ -438,16 +444,18 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
     ckpt = ctx.checkpoint
     bar = progress(t.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
     steplog = StepLog(tr, metrics, bar)
+    group = coordination_group(ctx.device)
     try:
         while tr.step < t.max_steps:
             loss_t = tr.train_step()
             inject_signal(ctx, tr)
-            # one small collective per step carries the loss for the log and every rank's flags
-            loss, stop, time_due, async_busy = step_boundary(
-                ctx, loss_t, ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done())
+            # every rank's flags, agreed on a gloo group in host memory: nothing here waits for the
+            # GPU, so the launch queue stays full (the loss is read back only when it is logged)
+            stop, time_due, async_busy = any_rank(
+                [ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()], group)
             last = tr.step == t.max_steps
             if tr.step % t.log_every == 0 or tr.step == 1 or last:
-                steplog.log(loss)
+                steplog.log(loss_t)
             if bar is not None:
                 bar.update(1)
             if ckpt.pending and not async_busy:

@@ -1,0 +1,119 @@
+"""`hpcgpu data prepare`: tokenize training data once into prepared datasets (hpcgpu/data)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import click
+
+from hpcgpu.cli.options import read_spec, set_option
+from hpcgpu.errors import UsageError
+
+
+@click.group()
+def data() -> None:
+    """Prepared datasets: tokenize once, memory-map in every rank."""
+
+
+@data.command()
+@click.argument("spec_file", metavar="[SPEC]", required=False, type=click.Path(dir_okay=False))
+@set_option
+@click.option("--input", "input_path", metavar="FILE", type=click.Path(),
+              help="A raw .txt/.jsonl/.parquet/.arrow file or folder to prepare (instead of SPEC).")
+@click.option("--tokenizer", metavar="DIR", type=click.Path(),
+              help="With --input: the tokenizer folder (default: the byte-level tokenizer).")
+@click.option("--output", "-o", metavar="DIR", type=click.Path(file_okay=False),
+              help="Write here (SPEC: DIR/train and DIR/eval) instead of the cache.")
+@click.option("--text-field", default=None, metavar="F",
+              help="The .jsonl field / parquet column with the text (default: data.text_field, text).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Tokenizer processes (default: the CPUs this process may use).")
+def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Optional[str],
+            tokenizer: Optional[str], output: Optional[str], text_field: Optional[str],
+            workers: Optional[int]) -> None:
+    """Tokenize data.train and data.eval of SPEC (or --input FILE) into prepared datasets.
+
+    \b
+      hpcgpu data prepare exp.yaml                  fill the cache the job reads
+      hpcgpu data prepare exp.yaml -o data/exp      write data/exp/train, data/exp/eval
+      hpcgpu data prepare --input corpus.jsonl --tokenizer models/tok -o data/corpus
+    """
+    if spec_file and input_path:
+        raise UsageError("give either SPEC or --input FILE, not both")
+    if spec_file and tokenizer:
+        raise UsageError("--tokenizer goes with --input; with SPEC the model's tokenizer is used "
+                         "(model.name_or_path)")
+    if not (spec_file or input_path):
+        raise UsageError("give SPEC, or --input FILE --output DIR [--tokenizer DIR]")
+    with progress_log():
+        if input_path:
+            prepare_input(input_path, tokenizer, output, text_field or "text", workers)
+        else:
+            prepare_spec(str(spec_file), overrides, output, text_field, workers)
+
+
+def prepare_input(input_path: str, tokenizer: Optional[str], output: Optional[str], text_field: str,
+                  workers: Optional[int]) -> None:
+    from hpcgpu.data import prepare as prepare_data
+
+    if not output:
+        raise UsageError("--input needs --output DIR (the folder to write the prepared dataset to)")
+    done = prepare_data(input_path, tokenizer, output, text_field=text_field, workers=workers)
+    report("prepared", done)
+
+
+def prepare_spec(spec_file: str, overrides: tuple[str, ...], output: Optional[str], text_field: Optional[str],
+                 workers: Optional[int]) -> None:
+    from hpcgpu.data import ensure_prepared, load_tokenizer, looks_prepared, open_training_data
+    from hpcgpu.data import prepare as prepare_data
+
+    spec = read_spec(spec_file, overrides)
+    inputs = [(key, value) for key, value in (("data.train", spec.data.train), ("data.eval", spec.data.eval))
+              if value]
+    if not inputs:
+        raise UsageError(f"{spec_file}: no data.train or data.eval to prepare")
+    tok = load_tokenizer(spec.model.name_or_path)  # as the job loads it: the same cache entries
+    field = text_field or spec.data.text_field
+    for key, path in inputs:
+        if looks_prepared(path):
+            open_training_data(path, tok)  # checks it was made with the model's tokenizer
+            click.echo(f"{key}: {path} is a prepared dataset already")
+        elif output:
+            done = prepare_data(path, tok, Path(output) / key.split(".")[1], text_field=field, workers=workers)
+            report(key, done)
+        else:
+            report(key, ensure_prepared(path, tok, field, spec.data.cache_dir, workers))
+
+
+def report(what: str, done: Any) -> None:
+    m = done.manifest
+    click.echo(f"{what}: {done.path}")
+    counts = f"  {m['num_tokens']:,} tokens, {m['num_documents']:,} documents, {m['dtype']}"
+    if done.built:
+        click.echo(f"{counts}, {done.seconds:.1f} s, {done.tokens_per_s:,.0f} tokens/s")
+    else:
+        click.echo(f"{counts}, reused from the cache (prepared in {m.get('seconds', 0):.1f} s)")
+
+
+class EchoHandler(logging.Handler):
+    """Log lines to stderr as the CLI prints (sys.stderr looked up at each line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"hpcgpu: {record.getMessage()}", err=True)
+
+
+@contextlib.contextmanager
+def progress_log() -> Iterator[None]:
+    """The data package logs what it does (preparing, reusing, waiting, progress): show it, then
+    leave the `hpcgpu` logger as it was."""
+    logger = logging.getLogger("hpcgpu")
+    handler, level = EchoHandler(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -1,0 +1,245 @@
+"""Tokenize a raw input once into a prepared dataset (format.py), over worker processes.
+
+The token stream is exactly what training tokenized in memory before: each document's ids (the
+tokenizer's encode(), special tokens included) followed by the eos id, except when the input holds a
+single document (a .txt file): then no eos. So a spec that switches from the raw file to the prepared
+dataset trains on identical sequences.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from hpcgpu.data.format import TokenWriter, check_output, dest_lock, write_manifest, writing
+from hpcgpu.data.sources import (
+    CHUNK_CHARS, Source, fingerprint, iter_chunks, iter_documents, open_source, progress_total, source_records)
+from hpcgpu.data.tokenizer import ByteTokenizer, as_tokenizer, describe, token_dtype, tokenizer_identity, vocab_size
+from hpcgpu.errors import HpcgpuError
+
+log = logging.getLogger("hpcgpu")
+
+LOG_EVERY_S = 30.0  # progress lines when stderr is not a terminal (a SLURM log)
+IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep them busy, memory stays bounded
+
+
+@dataclass
+class Prepared:
+    """A prepared dataset and how it came about."""
+
+    path: Path
+    manifest: dict[str, Any]
+    built: bool  # False: an existing cache entry was reused
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.manifest["num_tokens"] / self.seconds if self.seconds > 0 else 0.0
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (a SLURM job's share, not the whole node)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def prepare(source: str | Path, tokenizer: Any, output: str | Path, *, text_field: str = "text",
+            workers: Optional[int] = None, dtype: Optional[str] = None) -> Prepared:
+    """Tokenize `source` into the prepared dataset `output` (replacing an older one there)."""
+    src, tok = open_source(source), as_tokenizer(tokenizer)
+    dest = Path(output).expanduser().absolute()
+    check_output(dest)
+    t0 = time.monotonic()
+    with dest_lock(dest):
+        manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=dtype)
+    return Prepared(dest, manifest, True, time.monotonic() - t0)
+
+
+def build(src: Source, tokenizer: Any, dest: Path, *, text_field: str, workers: Optional[int],
+          dtype: Optional[str]) -> dict[str, Any]:
+    """Write the dataset of `src` to `dest` (call under dest_lock); returns its manifest."""
+    identity = tokenizer_identity(tokenizer)
+    token_type = token_dtype(vocab_size(tokenizer), dtype)
+    n_workers = workers_for(src, workers)
+    log.info(f"preparing {src.path} with {describe(identity)}, {n_workers} worker(s) -> {dest}")
+    t0 = time.monotonic()
+    before = fingerprint(src)
+    with writing(dest) as tmp:
+        counts = write_tokens(src, tokenizer, tmp, token_type, text_field, n_workers)
+        seconds = time.monotonic() - t0
+        manifest = {"dtype": token_type, **counts, "tokenizer": identity, "text_field": text_field,
+                    "sources": source_records(src, before), "seconds": round(seconds, 3)}
+        write_manifest(tmp, manifest)
+    rate = counts["num_tokens"] / seconds if seconds > 0 else 0.0
+    log.info(f"prepared {src.path}: {counts['num_tokens']:,} tokens, {counts['num_documents']:,} documents, "
+             f"{token_type}, {seconds:.1f} s ({rate:,.0f} tokens/s) -> {dest}")
+    return manifest
+
+
+def workers_for(src: Source, requested: Optional[int]) -> int:
+    """No more workers than there are chunks to give them (a small file is tokenized in-process)."""
+    if requested is not None and requested < 1:
+        raise HpcgpuError(f"workers must be at least 1, got {requested}")
+    want = requested or default_workers()
+    if src.kind == "text":
+        return 1  # one document
+    return max(1, min(want, 1 + src.total_bytes // CHUNK_CHARS))
+
+
+def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_field: str,
+                 workers: int) -> dict[str, Any]:
+    """Tokenize every document into `folder`; returns the counts for the manifest."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    writer = TokenWriter(folder, dtype)
+    top = -1
+    progress = Progress(*progress_total(src), label=src.path.name)
+    try:
+        for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype):
+            writer.write_chunk(chunk.ids, chunk.lengths)
+            top = max(top, chunk.max_id)
+            progress.update(units, len(chunk.ids))
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        progress.close()
+    if writer.num_docs == 1 and eos is not None:
+        writer.drop_last_token()
+    elif writer.num_docs > 1 and eos is not None:
+        top = max(top, int(eos))
+    writer.close()
+    return {"num_tokens": writer.num_tokens, "num_documents": writer.num_docs,
+            "max_token_id": top if writer.num_tokens else None, "eos_id": eos}
+
+
+# ---------------------------------------------------------------- tokenizing chunks
+
+@dataclass
+class Chunk:
+    ids: np.ndarray  # every document's ids then eos, flat, in the dataset's dtype
+    lengths: np.ndarray  # tokens per document (eos included)
+    max_id: int  # the largest id of the documents (eos not counted), -1 if none
+
+
+def tokenize_chunk(tokenizer: Any, texts: list[str], eos: Optional[int], dtype: str) -> Chunk:
+    arrays = encode_all(tokenizer, texts)
+    top = max((int(a.max()) for a in arrays if len(a)), default=-1)
+    limit = int(np.iinfo(np.dtype(dtype)).max)
+    if top > limit:
+        raise HpcgpuError(f"token id {top} does not fit {dtype}; prepare with uint32")
+    if eos is not None:
+        tail = np.asarray([eos], dtype=np.int64)
+        arrays = [piece for a in arrays for piece in (a, tail)]
+        lengths = np.asarray([len(a) + 1 for a in arrays[::2]], dtype=np.int64)
+    else:
+        lengths = np.asarray([len(a) for a in arrays], dtype=np.int64)
+    ids = np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype=dtype)
+    return Chunk(ids, lengths, top)
+
+
+def encode_all(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
+    """Each text's ids, as tokenizer.encode(text) gives them; fast tokenizers get one batch call."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    if getattr(tokenizer, "is_fast", False) and texts:
+        return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, verbose=False)["input_ids"]]
+    return [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in texts]
+
+
+_worker: dict[str, Any] = {}
+
+
+def init_worker(tokenizer: Any, eos: Optional[int], dtype: str) -> None:
+    # the processes already use every core: no Rust thread pool inside each of them
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker.update(tokenizer=tokenizer, eos=eos, dtype=dtype)
+
+
+def tokenize_in_worker(texts: list[str]) -> Chunk:
+    return tokenize_chunk(_worker["tokenizer"], texts, _worker["eos"], _worker["dtype"])
+
+
+def tokenized_chunks(src: Source, tokenizer: Any, text_field: str, workers: int, eos: Optional[int],
+                     dtype: str) -> Iterator[tuple[Chunk, int]]:
+    """Tokenized chunks in input order, with the progress units each covers."""
+    chunks = iter_chunks(iter_documents(src, text_field))
+    if workers == 1:
+        for texts, units in chunks:
+            yield tokenize_chunk(tokenizer, texts, eos, dtype), units
+        return
+    ctx = mp.get_context(start_method())
+    with ctx.Pool(workers, initializer=init_worker, initargs=(tokenizer, eos, dtype)) as pool:
+        pending: deque[tuple[Any, int]] = deque()
+        for texts, units in chunks:  # apply_async by hand: Pool.imap would read the whole input ahead
+            pending.append((pool.apply_async(tokenize_in_worker, (texts,)), units))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                result, n = pending.popleft()
+                yield result.get(), n
+        while pending:
+            result, n = pending.popleft()
+            yield result.get(), n
+
+
+def start_method() -> str:
+    """fork (quick: no re-import, no tokenizer pickling) unless this process runs a job's CUDA or
+    process group, whose threads may hold locks a forked child would inherit: then spawn."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return "fork"
+    dist = getattr(torch, "distributed", None)
+    in_group = dist is not None and dist.is_available() and dist.is_initialized()
+    return "spawn" if in_group or torch.cuda.is_initialized() else "fork"
+
+
+# ---------------------------------------------------------------- progress
+
+class Progress:
+    """A tqdm bar with tokens/s and ETA on a terminal; elsewhere a log line every LOG_EVERY_S."""
+
+    def __init__(self, total: Optional[int], unit: str, label: str):
+        self.total, self.unit, self.label = total, unit, label
+        self.t0 = self.last_log = time.monotonic()
+        self.done = self.tokens = 0
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=unit, unit_scale=True, desc=f"tokenizing {label}", leave=False)
+
+    def update(self, units: int, tokens: int) -> None:
+        self.done += units
+        self.tokens += tokens
+        now = time.monotonic()
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.update(units)
+            self.bar.set_postfix_str(f"{rate:,.0f} tokens/s", refresh=False)
+        elif now - self.last_log >= LOG_EVERY_S:
+            self.last_log = now
+            log.info(f"tokenizing {self.label}: {self.where()}, {self.tokens:,} tokens, {rate:,.0f} tokens/s"
+                     f"{self.eta(now)}")
+
+    def where(self) -> str:
+        if self.total:
+            return f"{100 * self.done / self.total:.0f}%"
+        return f"{self.done:,} {self.unit}"
+
+    def eta(self, now: float) -> str:
+        if not self.total or not self.done:
+            return ""
+        left = (self.total - self.done) * (now - self.t0) / self.done
+        return f", ETA {int(left // 60)}:{int(left % 60):02d}"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
