@@ -159,7 +159,8 @@ def load_spec(
 def resolve_paths(spec: Spec, base: Path) -> Spec:
     """Input files named in a spec are relative to the spec's folder; the resolved spec holds them absolute.
 
-    runs_dir stays relative to where the command runs, like any output folder a tool writes.
+    runs_dir and data.cache_dir stay relative to where the command runs, like any output folder a tool
+    writes, and are made absolute from there (the job may start elsewhere).
     """
     def absolute(value: str | None) -> str | None:
         if not value:
@@ -172,7 +173,9 @@ def resolve_paths(spec: Spec, base: Path) -> Spec:
     name_or_path = spec.model.name_or_path
     if name_or_path and is_local_path(name_or_path, base):
         name_or_path = absolute(name_or_path)  # else a hub id such as gpt2 or org/name stays as written
-    data = dataclasses.replace(spec.data, train=absolute(spec.data.train), eval=absolute(spec.data.eval))
+    cache_dir = str(Path(spec.data.cache_dir).expanduser().resolve()) if spec.data.cache_dir else None
+    data = dataclasses.replace(spec.data, train=absolute(spec.data.train), eval=absolute(spec.data.eval),
+                               cache_dir=cache_dir)
     model = dataclasses.replace(spec.model, name_or_path=name_or_path)
     ds = dataclasses.replace(spec.distributed.deepspeed, config=absolute(spec.distributed.deepspeed.config))
     dist = dataclasses.replace(spec.distributed, deepspeed=ds)

@@ -410,7 +410,7 @@ def test_relative_paths_resolve_against_the_spec_folder(tmp_path, monkeypatch):
     (spec_dir / "mymodel").mkdir()
     (spec_dir / "s.yaml").write_text(
         "name: a\nmodel: {name_or_path: mymodel}\n"
-        "data: {train: data/train.txt, eval: /abs/eval.txt}\nruns_dir: out\n")
+        "data: {train: data/train.txt, eval: /abs/eval.txt, cache_dir: tokcache}\nruns_dir: out\n")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -419,6 +419,7 @@ def test_relative_paths_resolve_against_the_spec_folder(tmp_path, monkeypatch):
     assert spec.data.eval == "/abs/eval.txt"
     assert spec.model.name_or_path == str(spec_dir / "mymodel")  # a local directory
     assert spec.runs_dir == str(elsewhere / "out")  # outputs go where the command runs
+    assert spec.data.cache_dir == str(elsewhere / "tokcache")  # likewise the prepared-data cache
     hub = tmp_path / "exp" / "hub.yaml"
     for name in ("gpt2", "openai-community/gpt2"):
         hub.write_text(f"name: a\nmodel: {{name_or_path: {name}}}\ndata: {{train: t.txt}}\n")
