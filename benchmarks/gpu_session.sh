@@ -7,6 +7,9 @@
 #   infer:   tests/gpu/test_gpu_infer.py (split over 2 GPUs, int8/int4: carry bitsandbytes) and one
 #            round of benchmarks/infer_throughput.py (pooled over calls: run the phase 3 times on one
 #            warm machine); with INFER_SCALING=1 instead, the data-parallel scaling up to 4 GPUs (~5 min)
+#   train:   one interleaved round of benchmarks/train_vs_loops.py (hpcgpu vs the minimal and the careful
+#            hand-written loops, 1 and 2 GPUs; 1,2,4 where 4+), pooled over calls in /tmp/tvl: run the
+#            phase 3 times on one warm machine for median and spread
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +29,11 @@ elif [ "$phase" = infer ]; then
     | tee "$OUT/gpu_infer_tests.log" | tail -30; mkdir -p /tmp/ib && touch /tmp/ib/.tested; }
   step python3 benchmarks/infer_throughput.py --variants "plain,plain sorted nocudnn,hpcgpu" --rows 768 --repeats 1 \
     --work /tmp/ib --append /tmp/ib/rounds.json 2>&1 | tee "$OUT/infer_throughput.log" | tail -25
+elif [ "$phase" = train ]; then
+  gpus="${BENCH_GPUS:-1,2}"; [ "$ngpu" -ge 4 ] && gpus="${BENCH_GPUS:-1,2,4}"
+  mkdir -p /tmp/tvl
+  step python3 benchmarks/train_vs_loops.py --gpus "$gpus" --repeats 1 --work /tmp/tvl --append /tmp/tvl/rounds.json \
+    --deadline 540 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30
 elif [ "$phase" = 1 ]; then
   step python3 -m pytest tests/gpu -q -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" | tee "$OUT/gpu_tests.log" | tail -40
   step python3 benchmarks/checkpoint.py --model gpt2-124m --repeats 4 2>&1 | grep -v Warning | tee "$OUT/checkpoint.log" | tail -8
