@@ -30,15 +30,19 @@ def data() -> None:
               help="The .jsonl field / parquet column with the text (default: data.text_field, text).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Tokenizer processes (default: the CPUs this process may use).")
+@click.option("--submit", "as_job", is_flag=True,
+              help="With SPEC: run this as a CPU job on SLURM (one task with the cores and memory of one of "
+                   "SPEC's nodes, no GPU) and return at once with its job id.")
 def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Optional[str],
             tokenizer: Optional[str], output: Optional[str], text_field: Optional[str],
-            workers: Optional[int]) -> None:
+            workers: Optional[int], as_job: bool) -> None:
     """Tokenize data.train and data.eval of SPEC (or --input FILE) into prepared datasets.
 
     \b
       hpcgpu data prepare exp.yaml                  fill the cache the job reads
       hpcgpu data prepare exp.yaml -o data/exp      write data/exp/train, data/exp/eval
       hpcgpu data prepare --input corpus.jsonl --tokenizer models/tok -o data/corpus
+      hpcgpu data prepare exp.yaml --submit         the same as a CPU job on SLURM
     """
     if spec_file and input_path:
         raise UsageError("give either SPEC or --input FILE, not both")
@@ -47,6 +51,11 @@ def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Op
                          "(model.name_or_path)")
     if not (spec_file or input_path):
         raise UsageError("give SPEC, or --input FILE --output DIR [--tokenizer DIR]")
+    if as_job:
+        if not spec_file:
+            raise UsageError("--submit goes with SPEC (the job prepares that spec's data.train and data.eval)")
+        submit_prepare_job(str(spec_file), overrides, output, text_field, workers)
+        return
     with progress_log():
         if input_path:
             prepare_input(input_path, tokenizer, output, text_field or "text", workers)
@@ -85,6 +94,51 @@ def prepare_spec(spec_file: str, overrides: tuple[str, ...], output: Optional[st
             report(key, done)
         else:
             report(key, ensure_prepared(path, tok, field, spec.data.cache_dir, workers))
+
+
+def submit_prepare_job(spec_file: str, overrides: tuple[str, ...], output: Optional[str],
+                       text_field: Optional[str], workers: Optional[int]) -> None:
+    """`data prepare SPEC` as a job of its own, through the same submission path as `hpcgpu submit`."""
+    from hpcgpu.cli.submit import print_submitted
+    from hpcgpu.launch import submission
+    from hpcgpu.launch.checks import input_problems
+    from hpcgpu.launch.registry import Registry
+
+    spec = read_spec(spec_file, overrides)
+    if not (spec.data.train or spec.data.eval):
+        raise UsageError(f"{spec_file}: no data.train or data.eval to prepare")
+    problems = input_problems(spec)
+    if problems:
+        raise UsageError(problems[0])  # found now, not after the job's wait in the queue
+    job = prepare_job_spec(spec, spec_file, overrides, output, text_field, workers)
+    for record in submission.submit_to_slurm(job, str(Path(spec_file).resolve()), Registry()):
+        print_submitted(record, job)
+
+
+def prepare_job_spec(spec: Any, spec_file: str, overrides: tuple[str, ...], output: Optional[str],
+                     text_field: Optional[str], workers: Optional[int]) -> Any:
+    """A `task: command` spec that runs `hpcgpu data prepare SPEC` on one node with no GPU: one task
+    with the cores and memory SPEC asks for on a node; its slurm settings (partition, account, setup
+    lines) are SPEC's."""
+    import dataclasses
+    import sys
+
+    from hpcgpu.spec.derive import mem_per_node
+
+    r = spec.resources
+    cores = r.cpus_per_gpu * r.gpus
+    argv = [sys.executable, "-m", "hpcgpu", "data", "prepare", str(Path(spec_file).resolve()),
+            "--workers", str(workers or cores)]
+    for override in overrides:
+        argv += ["--set", override]
+    if output:
+        argv += ["--output", str(Path(output).resolve())]
+    if text_field:
+        argv += ["--text-field", text_field]
+    resources = dataclasses.replace(r, nodes=1, gpus=1, cpus_per_gpu=cores, mem_per_gpu=mem_per_node(spec))
+    slurm = dataclasses.replace(spec.slurm, gpu_request="none")
+    return dataclasses.replace(spec, name=f"{spec.name}-prepare", task="command", command=argv, sweep={},
+                               resources=resources, slurm=slurm)
 
 
 def report(what: str, done: Any) -> None:

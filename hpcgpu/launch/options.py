@@ -7,6 +7,16 @@ from hpcgpu.spec.derive import mem_per_node
 from hpcgpu.spec.schema import Spec
 
 
+def asks_gpus(spec: Spec) -> bool:
+    return spec.slurm.gpu_request != "none"
+
+
+def per_node_text(spec: Spec) -> str:
+    """What one node runs, for the script's first comment: "4 GPU(s)" or "1 CPU task(s), no GPU"."""
+    n = spec.resources.gpus
+    return f"{n} GPU(s)" if asks_gpus(spec) else f"{n} CPU task(s), no GPU"
+
+
 def gpu_request(spec: Spec) -> tuple[str, str]:
     r = spec.resources
     if spec.slurm.gpu_request == "gpus-per-node":
@@ -26,7 +36,7 @@ def sbatch_options(spec: Spec, run_dir: Path, array: str | None = None) -> list[
         ("job-name", spec.name),
         ("nodes", str(r.nodes)),
         ("ntasks-per-node", str(spec.tasks_per_node)),
-        gpu_request(spec),
+        *([gpu_request(spec)] if asks_gpus(spec) else []),
         ("cpus-per-task", str(r.cpus_per_gpu * spec.gpus_per_task)),
     ]
     mem = mem_per_node(spec)

@@ -57,7 +57,7 @@ def partition_problem(spec: Spec, partition: str, nodes: list[Node]) -> str | No
     def gpus_of(n: Node) -> int:
         return n.gpus.get(gpu_kind, 0) if gpu_kind else sum(n.gpus.values())
 
-    with_gpus = [n for n in nodes if gpus_of(n) >= r.gpus]
+    with_gpus = [n for n in nodes if gpus_of(n) >= r.gpus or spec.slurm.gpu_request == "none"]
     if not with_gpus:
         most = max(nodes, key=gpus_of, default=None)
         what = f"{r.gpus} GPU(s) of type {gpu_kind}" if gpu_kind else f"{r.gpus} GPU(s)"

@@ -12,7 +12,7 @@ from string import Template
 from hpcgpu.errors import SpecError
 from hpcgpu.hostlist import PORT_SHELL
 from hpcgpu.contract import BATCH_SIGNAL_SHELL
-from hpcgpu.launch.options import sbatch_options
+from hpcgpu.launch.options import asks_gpus, per_node_text, sbatch_options
 from hpcgpu.spec.derive import nccl_env, signal_name
 from hpcgpu.spec.schema import Spec
 
@@ -99,6 +99,8 @@ def render_body(spec: Spec, run_dir: Path, spec_path: Path, python: str | None =
 def launch_what(spec: Spec) -> str:
     """The comment above srun: what one task is."""
     g = spec.gpus_per_task
+    if not asks_gpus(spec):
+        return "CPU tasks (slurm.gpu_request: none), all running the same entrypoint"
     if g == 1:
         return "one task per GPU, all running the same entrypoint"
     return (f"one task per model copy of {g} GPUs (infer.gpus_per_replica), all running the same entrypoint; "
@@ -114,7 +116,7 @@ def render_sbatch(spec: Spec, run_dir: Path, spec_path: Path, python: str | None
         task=spec.task,
         world=spec.world_size,
         nodes=r.nodes,
-        gpus=r.gpus,
+        per_node=per_node_text(spec),
         replicas=f", {spec.world_size} model copies of {spec.gpus_per_task} GPUs" if spec.gpus_per_task > 1 else "",
         script_hint=shlex.quote(re.sub(r"[\x00-\x1f]", "?", script_hint)),
         spec_path=spec_path,

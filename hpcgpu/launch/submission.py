@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcgpu.errors import HpcgpuError, SchedulerError
-from hpcgpu.launch.options import sbatch_options
+from hpcgpu.launch.options import per_node_text, sbatch_options
 from hpcgpu.launch.preflight import check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.rundir import make_run_dir, run_dir_path
@@ -35,7 +35,7 @@ class Plan:
 def header(spec: Spec, spec_ref: str) -> str:
     r = spec.resources
     return (f'# hpcgpu job "{spec.name}" (task: {spec.task}, {spec.world_size} rank(s): {r.nodes} node(s) x '
-            f"{r.gpus} GPU(s))\n# Submitted by `hpcgpu submit` through submitit. Resolved spec: {spec_ref}\n")
+            f"{per_node_text(spec)})\n# Submitted by `hpcgpu submit` through submitit. Resolved spec: {spec_ref}\n")
 
 
 def single_plan(spec: Spec, run_dir: Path) -> Plan:

@@ -108,8 +108,9 @@ class Slurm:
     max_retries: int = field(default=0, metadata=meta("requeues after a crash (0: a crash ends the job)", min=0))
     array_parallelism: Optional[int] = field(default=None, metadata=meta(
         "most array tasks running at once (%N)", min=1))
-    gpu_request: Literal["gres", "gpus-per-node"] = field(default="gres", metadata=meta(
-        "how GPUs are asked for: --gres=gpu[:type]:N or --gpus-per-node"))
+    gpu_request: Literal["gres", "gpus-per-node", "none"] = field(default="gres", metadata=meta(
+        "how GPUs are asked for: --gres=gpu[:type]:N or --gpus-per-node; none asks for no GPU (a CPU "
+        "job: resources.gpus then counts its tasks per node, cpus_per_gpu the cores of each)"))
     setup: list[str] = field(default_factory=list, metadata=meta(
         "shell lines run before the job starts (module load, conda activate); kept verbatim"))
     extra: dict[str, Union[str, int, bool]] = field(default_factory=dict, metadata=meta(

@@ -132,6 +132,18 @@ def test_resource_lines_of_the_goldens():
     assert "--exclusive" in a and "--nice=10" in a and not any("hint" in x for x in a)  # hint: false -> absent
 
 
+def test_a_cpu_job_asks_for_no_gpu(tmp_path):
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump({"name": "cpu", "task": "command", "command": ["true"],
+                                    "resources": {"gpus": 3, "cpus_per_gpu": 2},
+                                    "slurm": {"gpu_request": "none"}, "runs_dir": str(tmp_path / "runs")}))
+    text = render_sbatch(load_spec(path), Path("/runs/cpu/RUNID"), Path("/runs/cpu/RUNID/spec.yaml"))
+    args = sbatch_directive_args(text)
+    assert not any(a.startswith(("--gres", "--gpus")) for a in args)
+    assert "--ntasks-per-node=3" in args and "--cpus-per-task=2" in args
+    assert "1 node(s) x 3 CPU task(s), no GPU" in text.splitlines()[1]
+
+
 @pytest.mark.parametrize("runs_dir", ["/home/me/My Drive/runs", "/home/o'brien/runs", "/data/run#1"])
 def test_directive_values_survive_sbatch_tokenizer(write_spec, runs_dir):
     spec = load_spec(write_spec("name: a\ntask: command\ncommand: [x]\n"), [f"runs_dir={runs_dir!r}"])
