@@ -5,9 +5,12 @@
 The model is built from a config with random weights (seeded: the same folder every time); the
 tokenizer is a byte-level BPE trained here, in memory, with the `tokenizers` library on the text in
 configs/data/ (no download), wrapped as a transformers PreTrainedTokenizerFast with end-of-text and
-padding tokens and a simple chat template (so rows with "messages" work). Both are written with
-save_pretrained(), so `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
-`AutoTokenizer.from_pretrained(OUT_DIR)` load them. Its completions are noise: it was never trained.
+padding tokens and a simple chat template (so rows with "messages" work, for task: infer and for
+data.format: chat in configs/tiny-chat.yaml): each message renders as "ROLE: CONTENT\n", and the
+generation prompt is "assistant:". Both are written with save_pretrained(), so
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)` and `AutoTokenizer.from_pretrained(OUT_DIR)` load them.
+Its completions are noise: it was never trained. It has no dropout, so that fine-tuning it gives the
+same loss curve on 1 rank and on 2 (dropout draws differ by rank).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def make(out_dir: Path, seed: int = 0, vocab_size: int = 512, n_layer: int = 2, 
     tokenizer = train_tokenizer(DATA, vocab_size)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
                         n_head=n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
+                        pad_token_id=tokenizer.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -28,6 +28,8 @@ def data() -> None:
               help="Write here (SPEC: DIR/train and DIR/eval) instead of the cache.")
 @click.option("--text-field", default=None, metavar="F",
               help="The .jsonl field / parquet column with the text (default: data.text_field, text).")
+@click.option("--format", "data_format", type=click.Choice(["text", "chat", "prompt_completion"]), default=None,
+              help="With --input: the rows' format (default text; with SPEC: data.format).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Tokenizer processes (default: the CPUs this process may use).")
 @click.option("--submit", "as_job", is_flag=True,
@@ -35,7 +37,7 @@ def data() -> None:
                    "SPEC's nodes, no GPU) and return at once with its job id.")
 def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Optional[str],
             tokenizer: Optional[str], output: Optional[str], text_field: Optional[str],
-            workers: Optional[int], as_job: bool) -> None:
+            workers: Optional[int], as_job: bool, data_format: Optional[str]) -> None:
     """Tokenize data.train and data.eval of SPEC (or --input FILE) into prepared datasets.
 
     \b
@@ -51,6 +53,8 @@ def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Op
                          "(model.name_or_path)")
     if not (spec_file or input_path):
         raise UsageError("give SPEC, or --input FILE --output DIR [--tokenizer DIR]")
+    if spec_file and data_format:
+        raise UsageError("--format goes with --input; with SPEC the format is data.format")
     if as_job:
         if not spec_file:
             raise UsageError("--submit goes with SPEC (the job prepares that spec's data.train and data.eval)")
@@ -58,18 +62,19 @@ def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Op
         return
     with progress_log():
         if input_path:
-            prepare_input(input_path, tokenizer, output, text_field or "text", workers)
+            prepare_input(input_path, tokenizer, output, text_field or "text", workers, data_format or "text")
         else:
             prepare_spec(str(spec_file), overrides, output, text_field, workers)
 
 
 def prepare_input(input_path: str, tokenizer: Optional[str], output: Optional[str], text_field: str,
-                  workers: Optional[int]) -> None:
+                  workers: Optional[int], data_format: str) -> None:
     from hpcgpu.data import prepare as prepare_data
 
     if not output:
         raise UsageError("--input needs --output DIR (the folder to write the prepared dataset to)")
-    done = prepare_data(input_path, tokenizer, output, text_field=text_field, workers=workers)
+    done = prepare_data(input_path, tokenizer, output, text_field=text_field, workers=workers,
+                        data_format=data_format)
     report("prepared", done)
 
 
@@ -85,15 +90,17 @@ def prepare_spec(spec_file: str, overrides: tuple[str, ...], output: Optional[st
         raise UsageError(f"{spec_file}: no data.train or data.eval to prepare")
     tok = load_tokenizer(spec.model.name_or_path)  # as the job loads it: the same cache entries
     field = text_field or spec.data.text_field
+    fmt = spec.data.format
     for key, path in inputs:
         if looks_prepared(path):
-            open_training_data(path, tok)  # checks it was made with the model's tokenizer
+            open_training_data(path, tok, data_format=fmt)  # made with the model's tokenizer and format?
             click.echo(f"{key}: {path} is a prepared dataset already")
         elif output:
-            done = prepare_data(path, tok, Path(output) / key.split(".")[1], text_field=field, workers=workers)
+            done = prepare_data(path, tok, Path(output) / key.split(".")[1], text_field=field, workers=workers,
+                                data_format=fmt)
             report(key, done)
         else:
-            report(key, ensure_prepared(path, tok, field, spec.data.cache_dir, workers))
+            report(key, ensure_prepared(path, tok, field, spec.data.cache_dir, workers, data_format=fmt))
 
 
 def submit_prepare_job(spec_file: str, overrides: tuple[str, ...], output: Optional[str],

@@ -2,8 +2,10 @@
 `hpcgpu data prepare SPEC`) tokenizes it, later ones map the result.
 
 An entry is keyed by a hash of the source (absolute path, size and mtime of each of its files), the
-tokenizer (class, vocabulary size, sha256 of its files), the text field and the format version: a
-source that changed or another tokenizer gives another key, so a stale entry is never reused.
+tokenizer (class, vocabulary size, sha256 of its files), the text field, the format version and
+data.format (chat, prompt_completion; text adds nothing, so the keys of text entries made before
+data.format existed stay the same): a source that changed, another tokenizer or another data.format
+gives another key, so a stale entry is never reused (reuse() also compares the manifest's data_format).
 Exactly one process builds an entry, wherever the cache lives: it holds an flock on a lock file next
 to the entry while it writes, and the entry appears by an atomic rename; the others wait on the lock,
 then find the finished entry.
@@ -37,60 +39,67 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "hpcgpu" / "data"
 
 
-def cache_key(src: Source, identity: dict[str, Any], text_field: str) -> str:
+def cache_key(src: Source, identity: dict[str, Any], text_field: str, data_format: str = "text") -> str:
     tokenizer = {k: identity[k] for k in ("class", "vocab_size", "sha256")}  # not its path: a copy is the same
     doc = {"sources": fingerprint(src), "tokenizer": tokenizer, "text_field": text_field, "version": VERSION}
+    if data_format != "text":  # text keys stay those of the entries made before data.format existed
+        doc["data_format"] = data_format
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def entry_path(src: Source, identity: dict[str, Any], text_field: str, cache_dir: str | Path | None) -> Path:
+def entry_path(src: Source, identity: dict[str, Any], text_field: str, cache_dir: str | Path | None,
+               data_format: str = "text") -> Path:
     root = Path(cache_dir).expanduser().absolute() if cache_dir else default_cache_dir().absolute()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", src.path.name)[:60]
-    return root / f"{stem}-{cache_key(src, identity, text_field)[:20]}"
+    return root / f"{stem}-{cache_key(src, identity, text_field, data_format)[:20]}"
 
 
 def cache_entry(source: str | Path, tokenizer: Any, text_field: str = "text",
-                cache_dir: str | Path | None = None) -> Path:
+                cache_dir: str | Path | None = None, data_format: str = "text") -> Path:
     """Where the prepared dataset of `source` lives (or will) in the cache."""
     tok = as_tokenizer(tokenizer)
-    return entry_path(open_source(source), tokenizer_identity(tok), text_field, cache_dir)
+    return entry_path(open_source(source), tokenizer_identity(tok), text_field, cache_dir, data_format)
 
 
 def prepared_for(source: str | Path, tokenizer: Any, text_field: str = "text",
-                 cache_dir: str | Path | None = None, workers: Optional[int] = None) -> Path:
+                 cache_dir: str | Path | None = None, workers: Optional[int] = None,
+                 data_format: str = "text") -> Path:
     """The prepared dataset of a raw file (or folder), built on first use, reused after.
 
     `tokenizer`: a tokenizer folder, a loaded tokenizer, or None for the byte-level one."""
-    return ensure_prepared(source, tokenizer, text_field, cache_dir, workers).path
+    return ensure_prepared(source, tokenizer, text_field, cache_dir, workers, data_format=data_format).path
 
 
 def ensure_prepared(source: str | Path, tokenizer: Any, text_field: str = "text",
-                    cache_dir: str | Path | None = None, workers: Optional[int] = None) -> Prepared:
+                    cache_dir: str | Path | None = None, workers: Optional[int] = None, *,
+                    data_format: str = "text") -> Prepared:
     src, tok = open_source(source), as_tokenizer(tokenizer)
     identity = tokenizer_identity(tok)
-    dest = entry_path(src, identity, text_field, cache_dir)
+    dest = entry_path(src, identity, text_field, cache_dir, data_format)
     t0 = time.monotonic()
-    reused = reuse(dest, src, identity, t0)
+    reused = reuse(dest, src, identity, data_format, t0)
     if reused is not None:
         return reused
     def waiting() -> None:
         log.info(f"waiting for another process that prepares {src.path} into {dest}")
 
     with dest_lock(dest, on_wait=waiting):
-        reused = reuse(dest, src, identity, t0)  # the process we waited for built it
+        reused = reuse(dest, src, identity, data_format, t0)  # the process we waited for built it
         if reused is not None:
             return reused
-        manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=None)
+        manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=None,
+                         data_format=data_format)
     return Prepared(dest, manifest, True, time.monotonic() - t0)
 
 
-def reuse(dest: Path, src: Source, identity: dict[str, Any], t0: float) -> Optional[Prepared]:
-    """The finished entry at `dest` if it is one for this very source and tokenizer, else None."""
+def reuse(dest: Path, src: Source, identity: dict[str, Any], data_format: str, t0: float) -> Optional[Prepared]:
+    """The finished entry at `dest` if it is one for this very source, tokenizer and format, else None."""
     if not is_prepared(dest):
         return None
     manifest = read_manifest(dest)
     recorded = [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in manifest.get("sources", [])]
-    if recorded != fingerprint(src) or not same_tokenizer(manifest["tokenizer"], identity):
+    if recorded != fingerprint(src) or not same_tokenizer(manifest["tokenizer"], identity) \
+            or (manifest.get("data_format") or "text") != data_format:
         return None  # a hash collision or a hand-edited entry: never reuse what does not match
     log.info(f"reusing prepared data for {src.path}: {dest} ({manifest['num_tokens']:,} tokens, "
              f"{manifest['dtype']})")

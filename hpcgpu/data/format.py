@@ -4,7 +4,10 @@
                        (vocabulary <= 65536 ids) or uint32
     DIR/docs.npy       int64 start offset of each document in tokens.bin, then the token count
                        (length documents + 1)
-    DIR/manifest.json  format version, dtype, counts, max token id, eos id, tokenizer identity, sources
+    DIR/mask.bin       data.format chat and prompt_completion only: one uint8 per token of tokens.bin,
+                       1 = the token counts in the loss (a completion's, an assistant message's)
+    DIR/manifest.json  format version, dtype, counts, max token id, eos id, tokenizer identity,
+                       data_format (text | chat | prompt_completion; absent in older ones: text), sources
 
 A dataset is written into a temporary sibling folder and renamed into place when complete, manifest
 last: a folder named DIR with a manifest is complete, and an interrupted write leaves none.
@@ -25,7 +28,7 @@ from hpcgpu.errors import HpcgpuError
 
 FORMAT = "hpcgpu-prepared"
 VERSION = 1
-TOKENS, DOCS, MANIFEST = "tokens.bin", "docs.npy", "manifest.json"
+TOKENS, DOCS, MANIFEST, MASK = "tokens.bin", "docs.npy", "manifest.json", "mask.bin"
 OFFSETS_TMP = "docs.offsets.tmp"  # offsets streamed to disk while writing; docs.npy is made from it
 COPY_ITEMS = 1 << 20
 
@@ -46,10 +49,11 @@ def is_prepared(path: str | Path) -> bool:
 class TokenWriter:
     """Appends tokenized documents to tokens.bin and their offsets to a temporary file, in order."""
 
-    def __init__(self, folder: Path, dtype: str):
+    def __init__(self, folder: Path, dtype: str, masks: bool = False):
         self.folder, self.dtype = folder, np.dtype(dtype).newbyteorder("<")
         self.tokens = open(folder / TOKENS, "wb")
         self.offsets = open(folder / OFFSETS_TMP, "wb")
+        self.masks = open(folder / MASK, "wb") if masks else None
         self.num_tokens = self.num_docs = 0
 
     def write_chunk(self, ids: np.ndarray, lengths: np.ndarray) -> None:
@@ -60,20 +64,27 @@ class TokenWriter:
         self.num_tokens += int(lengths.sum())
         self.num_docs += len(lengths)
 
+    def write_mask(self, mask: np.ndarray) -> None:
+        """The loss mask of the chunk just written (examples only): one uint8 per id."""
+        assert self.masks is not None
+        self.masks.write(mask.astype(np.uint8, copy=False).tobytes())
+
     def drop_last_token(self) -> None:
         """The stream of a single document has no eos after it (training's rule since the start)."""
         self.tokens.flush()
         self.num_tokens -= 1
         self.tokens.truncate(self.num_tokens * self.dtype.itemsize)
 
-    def abort(self) -> None:
-        self.tokens.close()
-        self.offsets.close()
+    def close_files(self) -> None:
+        for fh in (self.tokens, self.offsets, self.masks):
+            if fh is not None:
+                fh.close()
+
+    abort = close_files  # the partial folder is removed by writing()
 
     def close(self) -> None:
         """Flush tokens.bin and turn the streamed offsets into docs.npy (copied in bounded pieces)."""
-        self.tokens.close()
-        self.offsets.close()
+        self.close_files()
         raw = np.memmap(self.folder / OFFSETS_TMP, dtype="<i8", mode="r") if self.num_docs else np.zeros(0, "<i8")
         docs = np.lib.format.open_memmap(self.folder / DOCS, mode="w+", dtype="<i8", shape=(self.num_docs + 1,))
         for i in range(0, self.num_docs, COPY_ITEMS):
@@ -174,15 +185,36 @@ class PreparedData:
         self.num_tokens, self.num_documents = int(m["num_tokens"]), int(m["num_documents"])
         self.max_token_id: Optional[int] = m.get("max_token_id")
         self.tokenizer: dict[str, Any] = m["tokenizer"]
+        self.data_format: str = m.get("data_format") or "text"
+        self.eos_id: Optional[int] = m.get("eos_id")
         check_sizes(self.path, self.num_tokens * self.dtype.itemsize)
-        if self.num_tokens:
-            self.tokens = np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
-        else:
-            self.tokens = np.zeros(0, dtype=self.dtype)  # np.memmap cannot map an empty file
+        self.tokens = map_file(self.path / TOKENS, self.dtype, self.num_tokens)
+        self.mask: Optional[np.ndarray] = None  # text: every token counts
+        if self.data_format != "text":
+            check_mask(self.path, self.num_tokens)
+            self.mask = map_file(self.path / MASK, np.dtype(np.uint8), self.num_tokens)
 
     def documents(self) -> np.ndarray:
         """Start offsets of the documents, then the token count (memory-mapped)."""
         return np.load(self.path / DOCS, mmap_mode="r")
+
+
+def map_file(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    if not count:
+        return np.zeros(0, dtype=dtype)  # np.memmap cannot map an empty file
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def check_mask(path: Path, num_tokens: int) -> None:
+    """A chat/prompt_completion dataset has one mask byte per token."""
+    try:
+        size = (path / MASK).stat().st_size
+    except FileNotFoundError:
+        raise HpcgpuError(f"{path}: no {MASK} (the loss mask of a chat/prompt_completion dataset); "
+                          "run hpcgpu data prepare again") from None
+    if size != num_tokens:
+        raise HpcgpuError(f"{path}/{MASK}: {size} bytes, the manifest says {num_tokens} tokens; "
+                          "run hpcgpu data prepare again")
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

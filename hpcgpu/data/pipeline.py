@@ -4,6 +4,9 @@ The token stream is exactly what training tokenized in memory before: each docum
 tokenizer's encode(), special tokens included) followed by the eos id, except when the input holds a
 single document (a .txt file): then no eos. So a spec that switches from the raw file to the prepared
 dataset trains on identical sequences.
+
+data.format chat and prompt_completion: each example's ids then eos (always, one example or many), and
+a loss mask beside them (mask.bin; examples.py says which tokens count).
 """
 from __future__ import annotations
 
@@ -19,9 +22,11 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from hpcgpu.data.examples import check_chat_template, encode_examples
 from hpcgpu.data.format import TokenWriter, check_output, dest_lock, write_manifest, writing
 from hpcgpu.data.sources import (
-    CHUNK_CHARS, Source, fingerprint, iter_chunks, iter_documents, open_source, progress_total, source_records)
+    CHUNK_CHARS, FORMATS, Source, fingerprint, iter_chunks, iter_documents, open_source, progress_total,
+    source_records)
 from hpcgpu.data.tokenizer import ByteTokenizer, as_tokenizer, describe, token_dtype, tokenizer_identity, vocab_size
 from hpcgpu.errors import HpcgpuError
 
@@ -54,36 +59,46 @@ def default_workers() -> int:
 
 
 def prepare(source: str | Path, tokenizer: Any, output: str | Path, *, text_field: str = "text",
-            workers: Optional[int] = None, dtype: Optional[str] = None) -> Prepared:
+            workers: Optional[int] = None, dtype: Optional[str] = None, data_format: str = "text") -> Prepared:
     """Tokenize `source` into the prepared dataset `output` (replacing an older one there)."""
     src, tok = open_source(source), as_tokenizer(tokenizer)
     dest = Path(output).expanduser().absolute()
     check_output(dest)
     t0 = time.monotonic()
     with dest_lock(dest):
-        manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=dtype)
+        manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=dtype,
+                         data_format=data_format)
     return Prepared(dest, manifest, True, time.monotonic() - t0)
 
 
 def build(src: Source, tokenizer: Any, dest: Path, *, text_field: str, workers: Optional[int],
-          dtype: Optional[str]) -> dict[str, Any]:
+          dtype: Optional[str], data_format: str = "text") -> dict[str, Any]:
     """Write the dataset of `src` to `dest` (call under dest_lock); returns its manifest."""
     identity = tokenizer_identity(tokenizer)
+    check_format(data_format, tokenizer, identity)
     token_type = token_dtype(vocab_size(tokenizer), dtype)
     n_workers = workers_for(src, workers)
     log.info(f"preparing {src.path} with {describe(identity)}, {n_workers} worker(s) -> {dest}")
     t0 = time.monotonic()
     before = fingerprint(src)
     with writing(dest) as tmp:
-        counts = write_tokens(src, tokenizer, tmp, token_type, text_field, n_workers)
+        counts = write_tokens(src, tokenizer, tmp, token_type, text_field, n_workers, data_format)
         seconds = time.monotonic() - t0
         manifest = {"dtype": token_type, **counts, "tokenizer": identity, "text_field": text_field,
-                    "sources": source_records(src, before), "seconds": round(seconds, 3)}
+                    "data_format": data_format, "sources": source_records(src, before),
+                    "seconds": round(seconds, 3)}
         write_manifest(tmp, manifest)
     rate = counts["num_tokens"] / seconds if seconds > 0 else 0.0
     log.info(f"prepared {src.path}: {counts['num_tokens']:,} tokens, {counts['num_documents']:,} documents, "
              f"{token_type}, {seconds:.1f} s ({rate:,.0f} tokens/s) -> {dest}")
     return manifest
+
+
+def check_format(data_format: str, tokenizer: Any, identity: dict[str, Any]) -> None:
+    if data_format not in FORMATS:
+        raise HpcgpuError(f"data.format {data_format!r} is not one of {', '.join(FORMATS)}")
+    if data_format == "chat":
+        check_chat_template(tokenizer, describe(identity))
 
 
 def workers_for(src: Source, requested: Optional[int]) -> int:
@@ -97,15 +112,18 @@ def workers_for(src: Source, requested: Optional[int]) -> int:
 
 
 def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_field: str,
-                 workers: int) -> dict[str, Any]:
+                 workers: int, data_format: str = "text") -> dict[str, Any]:
     """Tokenize every document into `folder`; returns the counts for the manifest."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    writer = TokenWriter(folder, dtype)
+    examples = data_format != "text"
+    writer = TokenWriter(folder, dtype, masks=examples)
     top = -1
     progress = Progress(*progress_total(src), label=src.path.name)
     try:
-        for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype):
+        for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype, data_format):
             writer.write_chunk(chunk.ids, chunk.lengths)
+            if chunk.mask is not None:
+                writer.write_mask(chunk.mask)
             top = max(top, chunk.max_id)
             progress.update(units, len(chunk.ids))
     except BaseException:
@@ -113,7 +131,7 @@ def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_fie
         raise
     finally:
         progress.close()
-    if writer.num_docs == 1 and eos is not None:
+    if writer.num_docs == 1 and eos is not None and not examples:
         writer.drop_last_token()
     elif writer.num_docs > 1 and eos is not None:
         top = max(top, int(eos))
@@ -129,9 +147,13 @@ class Chunk:
     ids: np.ndarray  # every document's ids then eos, flat, in the dataset's dtype
     lengths: np.ndarray  # tokens per document (eos included)
     max_id: int  # the largest id of the documents (eos not counted), -1 if none
+    mask: Optional[np.ndarray] = None  # chat/prompt_completion: uint8 per token, 1 = counts in the loss
 
 
-def tokenize_chunk(tokenizer: Any, texts: list[str], eos: Optional[int], dtype: str) -> Chunk:
+def tokenize_chunk(tokenizer: Any, texts: list[Any], eos: Optional[int], dtype: str,
+                   data_format: str = "text") -> Chunk:
+    if data_format != "text":
+        return tokenize_examples(tokenizer, texts, eos, dtype, data_format)
     arrays = encode_all(tokenizer, texts)
     top = max((int(a.max()) for a in arrays if len(a)), default=-1)
     limit = int(np.iinfo(np.dtype(dtype)).max)
@@ -147,6 +169,21 @@ def tokenize_chunk(tokenizer: Any, texts: list[str], eos: Optional[int], dtype: 
     return Chunk(ids, lengths, top)
 
 
+def tokenize_examples(tokenizer: Any, examples: list[Any], eos: Optional[int], dtype: str,
+                      data_format: str) -> Chunk:
+    """Each example's ids (eos included) and loss mask, flat."""
+    encoded = encode_examples(tokenizer, examples, data_format, eos)
+    top = max((int(ids.max()) for ids, _ in encoded if len(ids)), default=-1)
+    limit = int(np.iinfo(np.dtype(dtype)).max)
+    if top > limit:
+        raise HpcgpuError(f"token id {top} does not fit {dtype}; prepare with uint32")
+    lengths = np.asarray([len(ids) for ids, _ in encoded], dtype=np.int64)
+    if not encoded:
+        return Chunk(np.zeros(0, dtype=dtype), lengths, top, np.zeros(0, dtype=np.uint8))
+    ids = np.concatenate([ids for ids, _ in encoded]).astype(dtype)
+    return Chunk(ids, lengths, top, np.concatenate([mask for _, mask in encoded]))
+
+
 def encode_all(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     """Each text's ids, as tokenizer.encode(text) gives them; fast tokenizers get one batch call."""
     if isinstance(tokenizer, ByteTokenizer):
@@ -159,26 +196,26 @@ def encode_all(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
 _worker: dict[str, Any] = {}
 
 
-def init_worker(tokenizer: Any, eos: Optional[int], dtype: str) -> None:
+def init_worker(tokenizer: Any, eos: Optional[int], dtype: str, data_format: str = "text") -> None:
     # the processes already use every core: no Rust thread pool inside each of them
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(tokenizer=tokenizer, eos=eos, dtype=dtype)
+    _worker.update(tokenizer=tokenizer, eos=eos, dtype=dtype, data_format=data_format)
 
 
-def tokenize_in_worker(texts: list[str]) -> Chunk:
-    return tokenize_chunk(_worker["tokenizer"], texts, _worker["eos"], _worker["dtype"])
+def tokenize_in_worker(texts: list[Any]) -> Chunk:
+    return tokenize_chunk(_worker["tokenizer"], texts, _worker["eos"], _worker["dtype"], _worker["data_format"])
 
 
 def tokenized_chunks(src: Source, tokenizer: Any, text_field: str, workers: int, eos: Optional[int],
-                     dtype: str) -> Iterator[tuple[Chunk, int]]:
+                     dtype: str, data_format: str = "text") -> Iterator[tuple[Chunk, int]]:
     """Tokenized chunks in input order, with the progress units each covers."""
-    chunks = iter_chunks(iter_documents(src, text_field))
+    chunks = iter_chunks(iter_documents(src, text_field, data_format))
     if workers == 1:
         for texts, units in chunks:
-            yield tokenize_chunk(tokenizer, texts, eos, dtype), units
+            yield tokenize_chunk(tokenizer, texts, eos, dtype, data_format), units
         return
     ctx = mp.get_context(start_method())
-    with ctx.Pool(workers, initializer=init_worker, initargs=(tokenizer, eos, dtype)) as pool:
+    with ctx.Pool(workers, initializer=init_worker, initargs=(tokenizer, eos, dtype, data_format)) as pool:
         pending: deque[tuple[Any, int]] = deque()
         for texts, units in chunks:  # apply_async by hand: Pool.imap would read the whole input ahead
             pending.append((pool.apply_async(tokenize_in_worker, (texts,)), units))

@@ -4,6 +4,10 @@ their size (a .jsonl is read line by line, parquet/arrow in record batches throu
 A .txt file (or any other suffix) is one document, read whole, as training read it before; a .jsonl
 has one document a line (its `text_field`); .parquet/.arrow files, a folder of them or a folder
 written by `Dataset.save_to_disk` have one document a row.
+
+data.format chat and prompt_completion read a .jsonl of examples instead: one row a line,
+{"messages": [{"role", "content"}, ...]} or {"prompt", "completion"}; example_row() checks a row, the
+same way for the job and for the host-side checks (hpcgpu/launch/checks.py).
 """
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from typing import Any, Iterator, Optional
 
 from hpcgpu.errors import HpcgpuError
 
+FORMATS = ("text", "chat", "prompt_completion")  # data.format
+EXAMPLE_SHAPES = {"chat": '{"messages": [{"role": ..., "content": ...}, ...]}',
+                  "prompt_completion": '{"prompt": ..., "completion": ...}'}
 CHUNK_DOCS = 1024  # documents handed to a worker at once
 CHUNK_CHARS = 4 << 20  # ... or this many characters, whichever comes first
 DATASET_BATCH = 1000  # rows read from parquet/arrow at a time
@@ -103,10 +110,13 @@ def progress_total(source: Source) -> tuple[Optional[int], str]:
     return None, "rows"
 
 
-def iter_documents(source: Source, text_field: str) -> Iterator[tuple[str, int]]:
+def iter_documents(source: Source, text_field: str, data_format: str = "text") -> Iterator[tuple[Any, int]]:
     """(document, progress units) pairs in input order; the document is None for a blank .jsonl line
-    (skipped, as training always skipped them, but its bytes count as progress)."""
-    if source.kind == "text":
+    (skipped, as training always skipped them, but its bytes count as progress). For chat and
+    prompt_completion a document is an Example."""
+    if data_format != "text":
+        yield from example_documents(source, data_format)
+    elif source.kind == "text":
         yield from text_document(source)
     elif source.kind == "jsonl":
         yield from jsonl_documents(source, text_field)
@@ -187,18 +197,80 @@ def open_dataset(source: Source) -> Any:
         raise HpcgpuError(f"{source.path}: cannot be read as {source.kind} with datasets: {reason}") from None
 
 
-def iter_chunks(docs: Iterator[tuple[Any, int]]) -> Iterator[tuple[list[str], int]]:
+def iter_chunks(docs: Iterator[tuple[Any, int]]) -> Iterator[tuple[list[Any], int]]:
     """Documents grouped into chunks for the workers, with the progress units they cover."""
-    texts: list[str] = []
+    texts: list[Any] = []
     chars = units = 0
     for text, n in docs:
         units += n
         if text is None:
             continue
         texts.append(text)
-        chars += len(text)
+        chars += len(text) if isinstance(text, str) else n  # an Example: its line's bytes
         if len(texts) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
             yield texts, units
             texts, chars, units = [], 0, 0
     if texts or units:
         yield texts, units
+
+
+# ---------------------------------------------------------------- examples (chat, prompt_completion)
+
+@dataclass(frozen=True)
+class Example:
+    """One row of a chat or prompt_completion .jsonl; `where` (file:line) names it in errors."""
+
+    where: str
+    messages: Optional[list[dict[str, str]]] = None
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+
+
+def example_documents(source: Source, data_format: str) -> Iterator[tuple[Optional[Example], int]]:
+    if source.kind != "jsonl":
+        raise HpcgpuError(f"{source.path}: data.format {data_format} reads a .jsonl file, one "
+                          f"{EXAMPLE_SHAPES[data_format]} a line; give one, or set data.format: text")
+    path = source.files[0]
+    hasher = source.hashes[path] = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            hasher.update(raw)
+            yield example_row(raw, data_format, path, n), len(raw)
+
+
+def example_row(raw: bytes, data_format: str, path: Path | str, n: int) -> Optional[Example]:
+    """The example of one .jsonl line (None for a blank one); a bad row is one error naming file:line."""
+    where = f"{path}:{n}"
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HpcgpuError(f"{where}: not UTF-8 text; convert the file to UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise HpcgpuError(f"{where}: not a JSON object ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise HpcgpuError(f"{where}: expected a JSON object {EXAMPLE_SHAPES[data_format]}, "
+                          f"got {type(obj).__name__}")
+    if data_format == "chat":
+        return Example(where, messages=chat_messages(obj, where))
+    for key in ("prompt", "completion"):
+        if not isinstance(obj.get(key), str):
+            raise HpcgpuError(f"{where}: data.format prompt_completion needs a \"{key}\" field (a string) "
+                              f"in every row: {EXAMPLE_SHAPES[data_format]}")
+    return Example(where, prompt=obj["prompt"], completion=obj["completion"])
+
+
+def chat_messages(obj: dict[str, Any], where: str) -> list[dict[str, str]]:
+    messages = obj.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HpcgpuError(f"{where}: data.format chat needs \"messages\" (a non-empty list of "
+                          "{\"role\", \"content\"}) in every row")
+    for i, message in enumerate(messages, 1):
+        for key in ("role", "content"):
+            if not isinstance(message, dict) or not isinstance(message.get(key), str):
+                raise HpcgpuError(f"{where}: message {i} has no \"{key}\" (a string); each message is "
+                                  "{\"role\": ..., \"content\": ...}")
+    return messages  # as given: a template may read other keys of a message too

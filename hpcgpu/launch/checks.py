@@ -8,6 +8,10 @@ One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM
   first bad row as file:line; rows with "messages" need a tokenizer with a chat template), a local model
   folder holds a config.json and a tokenizer, infer.max_memory is readable, model.quantization can run
   (bitsandbytes installed; the local executor has a GPU);
+- task: train with data.format chat or prompt_completion: the first rows of a raw .jsonl data.train/eval
+  have the fields the format needs (the job's own row reader, hpcgpu/data/sources.py: file:line), chat
+  has a tokenizer with a chat template (a local model folder's; a hub id's is not looked at), and a
+  prepared folder was prepared with the spec's data.format (its manifest; also checked for text);
 - model.config.model_type is a model type the installed transformers knows. The list comes from
   transformers' config mapping, asked in a subprocess (it imports torch) and cached on disk per
   transformers version, so these commands never import transformers or torch themselves; without
@@ -146,6 +150,77 @@ def infer_input_problem(spec: Spec) -> str | None:
     whose = f"the tokenizer in {name}" if folder is not None else "the byte-level tokenizer of model.config"
     return (f"{spec.infer.input}:{chat.line}: \"messages\" need the tokenizer's chat template, and {whose} has "
             "none; give a \"prompt\" instead")
+
+
+# --- task: train, data.format ------------------------------------------------------------------
+
+DATA_ROWS_CHECKED = 1000  # rows of a raw .jsonl read here; the job reads them all, with the same reader
+
+
+def data_format_problem(spec: Spec) -> str | None:
+    """The first problem of data.train/data.eval with data.format, or None (the files exist)."""
+    if spec.task != "train":
+        return None
+    for key, value in (("data.train", spec.data.train), ("data.eval", spec.data.eval)):
+        problem = value and (prepared_format_problem(value, spec.data.format)
+                             or example_rows_problem(key, value, spec.data.format))
+        if problem:
+            return problem
+    if spec.data.format == "chat":
+        return chat_template_problem(spec)
+    return None
+
+
+def prepared_format_problem(value: str, data_format: str) -> str | None:
+    """A prepared folder (one with a manifest) must have been prepared with data.format."""
+    manifest_path = Path(value).expanduser() / "manifest.json"
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        return None  # the job's reader says what is wrong with it
+    prepared = (manifest.get("data_format") if isinstance(manifest, dict) else None) or "text"
+    if prepared == data_format:
+        return None
+    from hpcgpu.data import format_mismatch
+
+    return format_mismatch(value, prepared, data_format)
+
+
+def example_rows_problem(key: str, value: str, data_format: str) -> str | None:
+    """The first bad row among the first DATA_ROWS_CHECKED of a raw chat/prompt_completion input."""
+    path = Path(value).expanduser()
+    if data_format == "text" or path.is_dir():
+        return None
+    from hpcgpu.data.sources import EXAMPLE_SHAPES, example_row
+
+    if path.suffix != ".jsonl":
+        return (f"{key}: data.format {data_format} reads a .jsonl file, one {EXAMPLE_SHAPES[data_format]} "
+                f"a line, not {path.name}")
+    try:
+        with open(path, "rb") as fh:
+            for n, raw in enumerate(fh, 1):
+                example_row(raw, data_format, value, n)
+                if n >= DATA_ROWS_CHECKED:
+                    break
+    except HpcgpuError as exc:
+        return str(exc)
+    return None
+
+
+def chat_template_problem(spec: Spec) -> str | None:
+    """data.format chat needs the tokenizer's chat template: the byte-level one (model.config, or a model
+    hpcgpu trained without tokenizer files) has none; a hub id's is not looked at here."""
+    name = spec.model.name_or_path
+    if name and not is_local_path(name, Path.cwd()):
+        return None
+    folder = Path(name).expanduser() if name else None
+    if folder is not None and not (folder / "hpcgpu_tokenizer.json").is_file() and has_chat_template(folder):
+        return None
+    whose = f"the tokenizer in {name}" if folder is not None else "the byte-level tokenizer of model.config"
+    return (f"data.format: chat needs the tokenizer's chat template, and {whose} has none; save one with "
+            "the tokenizer or use data.format: prompt_completion")
 
 
 # --- model type -----------------------------------------------------------------------------------
@@ -288,6 +363,12 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
         problem = model_type_problem(one)
         if problem:
             raise SpecError("model.config.model_type", problem)
+        data_key = ("data", repr((one.task, one.data.train, one.data.eval, one.data.format, one.model.name_or_path)))
+        if data_key not in seen:  # a sweep's tasks share these: read the rows once
+            seen.add(data_key)
+            problem = data_format_problem(one)
+            if problem:
+                raise SpecError("", problem)
         if one.task == "infer":
             for key, check in ((f"model:{one.model.name_or_path}", infer_model_problem),
                                (f"max_memory:{one.infer.max_memory}", max_memory_problem),

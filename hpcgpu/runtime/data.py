@@ -3,22 +3,31 @@ blocks and split across ranks. A raw .txt/.jsonl/parquet file is prepared once t
 
 The order of blocks depends only on (seed, epoch): every global batch is the same sequences whatever
 the number of ranks, so changing the GPU count changes neither the data nor the loss curve.
+
+data.format chat and prompt_completion: ExampleBlocks, blocks of whole examples (packed or one a
+block) whose batches carry labels (-100 where the loss mask is 0 and on padding) and an attention mask.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from hpcgpu.data import PreparedData, open_training_data
 from hpcgpu.data.sources import iter_documents, open_source
 from hpcgpu.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hpcgpu.errors import HpcgpuError
 
-__all__ = ["BatchSchedule", "ByteTokenizer", "DataPosition", "TokenBlocks", "Tokenizer", "eval_batches",
-           "load_blocks", "load_tokenizer", "read_texts", "tokenize"]
+__all__ = ["Batch", "BatchSchedule", "Blocks", "ByteTokenizer", "DataPosition", "ExampleBlocks", "TokenBlocks",
+           "Tokenizer", "causal_lm_loss", "eval_batches", "load_blocks", "load_tokenizer", "pack_examples",
+           "read_texts", "tokenize"]
+
+log = logging.getLogger("hpcgpu")
+IGNORE = -100  # the label Hugging Face's (and torch's) cross entropy leaves out
 
 
 def read_texts(path: str, text_field: str = "text") -> list[str]:
@@ -86,11 +95,115 @@ class TokenBlocks:
         return self.tensor().flatten()
 
 
+def pack_examples(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """Greedy packing in input order: the index of each block's first example, then len(lengths).
+
+    An example goes into the current block if it fits in what is left of it, else it starts the next
+    one; no example is split (each is at most seq_len long: truncated before)."""
+    firsts, used = [0], 0
+    for i, n in enumerate(lengths.tolist()):
+        if used + n > seq_len:
+            firsts.append(i)
+            used = 0
+        used += n
+    firsts.append(len(lengths))
+    return np.asarray(firsts, dtype=np.int64)
+
+
+class ExampleBlocks:
+    """seq_len blocks of whole chat/prompt_completion examples over a memory-mapped prepared dataset.
+
+    Which examples make a block is worked out at load from docs.npy alone (example lengths), so it is
+    cheap, deterministic and the same on every rank; tokens are read when a batch asks for them.
+    packing: each block holds as many whole examples as fit, in input order; else one example a block.
+    An example longer than seq_len is cut to its first seq_len tokens. A batch is a dict of int64
+    tensors: input_ids (padding: eos, or 0 without one), labels (the token where the loss mask is 1,
+    else -100; also -100 on padding and on each example's first token, which has nothing of its own
+    before it to be predicted from) and attention_mask (0 on padding)."""
+
+    def __init__(self, data: PreparedData, seq_len: int, source: str, packing: bool = True):
+        if data.mask is None:
+            raise ValueError(f"{source}: a text dataset has no loss mask")
+        docs = np.asarray(data.documents(), dtype=np.int64)
+        starts, lengths = docs[:-1], np.diff(docs)
+        keep = lengths > 0
+        starts, lengths = starts[keep], lengths[keep]
+        if len(lengths) == 0:
+            raise HpcgpuError(f"{source}: no examples")
+        cut = int((lengths > seq_len).sum())
+        lengths = np.minimum(lengths, seq_len)
+        self.starts, self.lengths = starts, lengths
+        self.firsts = pack_examples(lengths, seq_len) if packing else np.arange(len(lengths) + 1, dtype=np.int64)
+        self.tokens, self.mask = data.tokens, data.mask
+        self.seq_len, self.path = seq_len, data.path
+        self.max_token_id: Optional[int] = data.max_token_id
+        self.pad_id = int(data.eos_id) if data.eos_id is not None else 0
+        log.info(f"{source}: {len(lengths):,} {data.data_format} examples in {len(self):,} blocks of {seq_len} "
+                 f"tokens ({'packed' if packing else 'one a block'}); {cut:,} longer than seq_len cut to it")
+
+    def __len__(self) -> int:
+        return len(self.firsts) - 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self), self.seq_len)
+
+    def block(self, b: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Block b's ids and labels (seq_len each, padded) and how many positions hold tokens."""
+        ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        at = 0
+        for e in range(int(self.firsts[b]), int(self.firsts[b + 1])):
+            start, n = int(self.starts[e]), int(self.lengths[e])
+            ids[at: at + n] = self.tokens[start: start + n]
+            counts = self.mask[start: start + n].astype(bool)  # a copy: the map is read-only
+            counts[0] = False
+            labels[at: at + n] = np.where(counts, ids[at: at + n], IGNORE)
+            at += n
+        return ids, labels, at
+
+    def take(self, idx: Union[torch.Tensor, np.ndarray, list[int]]) -> dict[str, torch.Tensor]:
+        """The blocks at `idx` (in that order) as a batch."""
+        idx = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64).reshape(-1)
+        ids = np.empty((len(idx), self.seq_len), dtype=np.int64)
+        labels = np.empty_like(ids)
+        attention = np.zeros_like(ids)
+        for row, b in enumerate(idx.tolist()):
+            ids[row], labels[row], filled = self.block(b)
+            attention[row, :filled] = 1
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "attention_mask": torch.from_numpy(attention)}
+
+    def __getitem__(self, key: Union[slice, torch.Tensor, np.ndarray, list[int]]) -> dict[str, torch.Tensor]:
+        if isinstance(key, slice):
+            return self.take(list(range(len(self))[key]))  # a range slices without a list of every block
+        return self.take(key)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over the labels that are not -100, as Hugging Face's causal LM
+    loss computes it (float32 logits), except that a batch without one such label gives 0, not NaN."""
+    shifted = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
+    targets = labels[:, 1:].reshape(-1).to(shifted.device)
+    total = F.cross_entropy(shifted, targets, ignore_index=IGNORE, reduction="sum")
+    return total / (targets != IGNORE).sum().clamp(min=1)
+
+
+Blocks = Union[TokenBlocks, ExampleBlocks]
+# text: the ids (which are the labels too); chat/prompt_completion: input_ids, labels, attention_mask
+Batch = Union[torch.Tensor, dict[str, torch.Tensor]]
+
+
 def load_blocks(path: str, tokenizer: Any, seq_len: int, text_field: str = "text",
-                cache_dir: Optional[str] = None) -> TokenBlocks:
+                cache_dir: Optional[str] = None, data_format: str = "text",
+                packing: bool = True) -> Blocks:
     """The seq_len blocks of data.train/data.eval: a prepared folder, or a raw file prepared (once,
-    through the cache) with `tokenizer`."""
-    return TokenBlocks(open_training_data(path, tokenizer, text_field, cache_dir), seq_len, path)
+    through the cache) with `tokenizer`. Text: a flat token stream cut into blocks; chat and
+    prompt_completion: blocks of whole examples."""
+    data = open_training_data(path, tokenizer, text_field, cache_dir, data_format)
+    if data_format == "text":
+        return TokenBlocks(data, seq_len, path)
+    return ExampleBlocks(data, seq_len, path, packing)
 
 
 @dataclass
@@ -144,8 +257,8 @@ class BatchSchedule:
         self.pos = DataPosition(int(state["epoch"]), int(state["offset"]))
 
 
-def eval_batches(blocks: Union[TokenBlocks, torch.Tensor], micro: int, n_batches: int, rank: int,
-                 world: int) -> Iterator[torch.Tensor]:
+def eval_batches(blocks: Union[TokenBlocks, ExampleBlocks, torch.Tensor], micro: int, n_batches: int,
+                 rank: int, world: int) -> Iterator[Union[torch.Tensor, dict[str, torch.Tensor]]]:
     """A fixed slice of the eval set per rank: the same every time, so eval losses compare."""
     total = min(len(blocks), micro * n_batches * world)
     per_rank = total // world

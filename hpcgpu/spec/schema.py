@@ -180,6 +180,12 @@ class Data:
         "the field of a .jsonl line (column of a parquet/arrow file) that holds a document's text"))
     cache_dir: Optional[str] = field(default=None, metadata=meta(
         "where raw data files are prepared (tokenized) once; default $HPCGPU_DATA_CACHE or ~/.cache/hpcgpu/data"))
+    format: Literal["text", "chat", "prompt_completion"] = field(default="text", metadata=meta(
+        "text: every token counts in the loss; chat: .jsonl rows {\"messages\": [{\"role\", \"content\"}]} through "
+        "the tokenizer's chat template, the assistant messages count; prompt_completion: .jsonl rows "
+        "{\"prompt\", \"completion\"}, the completion counts"))
+    packing: bool = field(default=True, metadata=meta(
+        "chat/prompt_completion: fill each seq_len block with whole examples (false: one example a block)"))
 
 
 @dataclass(frozen=True)

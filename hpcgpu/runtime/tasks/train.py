@@ -29,7 +29,8 @@ from hpcgpu.contract import ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import Context, init
-from hpcgpu.runtime.data import BatchSchedule, TokenBlocks, eval_batches, load_blocks, load_tokenizer
+from hpcgpu.runtime.data import (
+    Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, eval_batches, load_blocks, load_tokenizer)
 from hpcgpu.runtime.dist import any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
@@ -49,21 +50,28 @@ AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": tor
 DEVICE_TOKENS_MAX_BYTES = 1 << 30
 
 
-def place_tokens(blocks: TokenBlocks, device: torch.device) -> TokenBlocks | torch.Tensor:
+def place_tokens(blocks: Blocks, device: torch.device) -> Blocks | torch.Tensor:
     """Keep the token blocks on the GPU (as int64) when they are small: no host-to-device copy in the
-    step. Larger sets stay memory-mapped and each batch is read from the file."""
-    if device.type == "cuda" and blocks.int64_bytes <= DEVICE_TOKENS_MAX_BYTES:
+    step. Larger sets stay memory-mapped and each batch is read from the file. Example blocks (chat,
+    prompt_completion) are assembled per batch on the host."""
+    if isinstance(blocks, TokenBlocks) and device.type == "cuda" and blocks.int64_bytes <= DEVICE_TOKENS_MAX_BYTES:
         return blocks.tensor().to(device)
     return blocks
 
 
-def fetch_batch(blocks: TokenBlocks | torch.Tensor, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+def fetch_batch(blocks: Blocks | torch.Tensor, idx: torch.Tensor, device: torch.device) -> Batch:
     if isinstance(blocks, torch.Tensor):  # placed on the GPU
         return blocks[idx.to(blocks.device, non_blocking=True)]
+
+    def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda":
+            tensor = tensor.pin_memory()  # an asynchronous copy: the CPU keeps queueing the step's kernels
+        return tensor.to(device, non_blocking=True)
+
     batch = blocks.take(idx)
-    if device.type == "cuda":
-        batch = batch.pin_memory()  # an asynchronous copy: the CPU keeps queueing the step's kernels
-    return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):  # chat/prompt_completion: input_ids, labels, attention_mask
+        return {key: to_device(value) for key, value in batch.items()}
+    return to_device(batch)
 
 
 # ---------------------------------------------------------------- model
@@ -150,8 +158,10 @@ class Trainer:
         self.amp_dtype = AMP_DTYPES[plan.precision]
         self.tokenizer = load_tokenizer(spec.model.name_or_path)
         d = spec.data
-        self.train_blocks = load_blocks(d.train or "", self.tokenizer, d.seq_len, d.text_field, d.cache_dir)
-        self.eval_blocks = load_blocks(d.eval, self.tokenizer, d.seq_len, d.text_field, d.cache_dir) if d.eval else None
+        self.train_blocks = load_blocks(d.train or "", self.tokenizer, d.seq_len, d.text_field, d.cache_dir,
+                                        d.format, d.packing)
+        self.eval_blocks = load_blocks(d.eval, self.tokenizer, d.seq_len, d.text_field, d.cache_dir, d.format,
+                                       d.packing) if d.eval else None
         self.schedule = BatchSchedule(len(self.train_blocks), t.seed, ctx.rank, global_batch=p.global_batch,
                                       per_rank=p.batch_per_rank, micro=p.micro_batch)
         self.ds = self._deepspeed_run()
@@ -230,7 +240,11 @@ class Trainer:
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
         batch = fetch_batch(self.train_blocks, idx, self.device)
         with self._autocast():
-            return self.model(input_ids=batch, labels=batch).loss
+            if isinstance(batch, torch.Tensor):  # text: every token is a label
+                return self.model(input_ids=batch, labels=batch).loss
+            # the loss of the labelled tokens only, averaged within this micro batch (as HF's would be)
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return causal_lm_loss(logits, batch["labels"])
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
@@ -281,9 +295,14 @@ class Trainer:
         losses = []
         for batch in eval_batches(self.eval_blocks, self.micro, self.spec.train.eval_batches,
                                   self.ctx.rank, self.world):
-            batch = batch.to(self.device)
             with self._autocast():
-                losses.append(self.raw_model(input_ids=batch, labels=batch).loss.float())
+                if isinstance(batch, torch.Tensor):
+                    batch = batch.to(self.device)
+                    losses.append(self.raw_model(input_ids=batch, labels=batch).loss.float())
+                    continue
+                batch = {key: value.to(self.device) for key, value in batch.items()}
+                logits = self.raw_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                losses.append(causal_lm_loss(logits, batch["labels"]))
         if not losses:
             return None
         return mean_over_ranks(torch.stack(losses).mean())
