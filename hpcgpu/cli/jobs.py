@@ -46,6 +46,9 @@ def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
         "gpus": unit.gpus, "gpu_hours": gpu_hours(elapsed_s, unit.gpus),
         "nodes": unit.nodes, "restarts": unit.restarts, "exit_code": unit.exit_code,
         "step": progress.step, "loss": progress.loss, "rows": progress.rows, "rows_total": progress.rows_total,
+        "max_steps": progress.max_steps, "tokens_per_s": progress.tokens_per_s,
+        # only while it runs: a queued or ended job has no rate to go by
+        "eta_s": round(eta) if (eta := progress.eta_s()) is not None and unit.state == "RUNNING" else None,
         "progress": progress.text(), "run_dir": unit.run_dir,
     }
 
@@ -56,7 +59,7 @@ def job_view(job: JobRecord) -> dict[str, Any]:
                  "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted))})
     if job.is_array:
         view["tasks"] = [dict(unit_view(job, t), values=t.values) for t in job.tasks]
-        view["step"] = view["loss"] = view["rows"] = view["rows_total"] = None
+        view["step"] = view["loss"] = view["rows"] = view["rows_total"] = view["eta_s"] = None
         view["progress"] = "-"
         hours = [t["gpu_hours"] for t in view["tasks"] if t["gpu_hours"] is not None]
         view["gpu_hours"] = round(sum(hours), 3) if hours else None  # the array's: all its tasks
@@ -68,7 +71,13 @@ def step_cell(view: dict[str, Any]) -> str:
     """The STEP column: the last step, or rows done/total for task: infer."""
     if view.get("rows") is not None:
         return f"{view['rows']}/{view['rows_total'] if view['rows_total'] is not None else '?'} rows"
-    return "-" if view["step"] is None else str(view["step"])
+    if view["step"] is None:
+        return "-"
+    return f"{view['step']}/{view['max_steps']}" if view.get("max_steps") else str(view["step"])
+
+
+def eta_text(view: dict[str, Any]) -> str:
+    return f"  ETA {format_duration(view['eta_s'])}" if view.get("eta_s") is not None else ""
 
 
 def fmt_loss(loss: Any) -> str:
@@ -124,9 +133,11 @@ def print_job(view: dict[str, Any]) -> None:
             click.echo(f"{label:<10}{value}")
     if "tasks" not in view:
         if view["rows"] is not None:
-            click.echo(f"{'rows':<10}{view['rows']}/{view['rows_total'] if view['rows_total'] is not None else '?'}")
+            total = view["rows_total"] if view["rows_total"] is not None else "?"
+            click.echo(f"{'rows':<10}{view['rows']}/{total}{eta_text(view)}")
         else:
-            click.echo(f"{'step':<10}{'-' if view['step'] is None else view['step']}  loss {fmt_loss(view['loss'])}")
+            speed = f"  {view['tokens_per_s']:,.0f} tok/s" if view.get("tokens_per_s") else ""
+            click.echo(f"{'step':<10}{step_cell(view)}  loss {fmt_loss(view['loss'])}{speed}{eta_text(view)}")
         for path in view["logs"]:
             click.echo(f"{'log':<10}{path}")
         return

@@ -343,19 +343,32 @@ class Progress:
     loss: float | None = None
     rows: int | None = None  # task: infer: rows written, of rows_total
     rows_total: int | None = None
+    max_steps: int | None = None
+    tokens_per_s: float | None = None  # train: the last logged interval's
+    rate: float | None = None  # steps/s (train) or rows/s (infer) over this start of the job so far
 
     def text(self) -> str:
-        """'step 120 (loss 2.7021)', 'rows 45/45', or '-'."""
+        """'step 120/1000 (loss 2.7021)', 'rows 45/45', or '-'."""
         if self.rows is not None:
             return f"rows {self.rows}/{self.rows_total if self.rows_total is not None else '?'}"
         if self.step is None:
             return "-"
-        return f"step {self.step}" + (f" (loss {self.loss:.4f})" if isinstance(self.loss, (int, float)) else "")
+        of = f"/{self.max_steps}" if self.max_steps else ""
+        return f"step {self.step}{of}" + (f" (loss {self.loss:.4f})" if isinstance(self.loss, (int, float)) else "")
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far: (max_steps - step) or (rows_total - rows) over it."""
+        if not self.rate:
+            return None
+        if self.rows is not None and self.rows_total is not None:
+            return max(0, self.rows_total - self.rows) / self.rate
+        if self.step is not None and self.max_steps:
+            return max(0, self.max_steps - self.step) / self.rate
+        return None
 
 
-def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
-    """The last progress record of metrics.jsonl ({"kind": "train"}; task: infer, "infer" or its
-    "end"), reading only the end of the file."""
+def tail_records(run_dir: str | Path, tail_bytes: int = 65536) -> list[dict]:
+    """The records at the end of metrics.jsonl (only its last `tail_bytes` are read)."""
     path = Path(run_dir) / "metrics.jsonl"
     try:
         with open(path, "rb") as fh:
@@ -364,19 +377,45 @@ def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
             fh.seek(max(0, size - tail_bytes))
             lines = fh.read().decode(errors="replace").splitlines()
     except OSError:
-        return Progress()
-    for line in reversed(lines):
+        return []
+    out = []
+    for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the seek, or still being written
-        if not isinstance(record, dict):
-            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def steps_per_s(records: list[dict]) -> float | None:
+    """Steps per second over the train records since the job last (re)started, eval and checkpoint
+    time included: what the remaining steps will take."""
+    since: list[dict] = []
+    for r in records:
+        if r.get("kind") in ("resume", "start"):
+            since = []
+        elif r.get("kind") == "train" and isinstance(r.get("time"), (int, float)):
+            since.append(r)
+    if len(since) >= 2 and since[-1]["time"] > since[0]["time"]:
+        return (since[-1]["step"] - since[0]["step"]) / (since[-1]["time"] - since[0]["time"])
+    ms = since[-1].get("ms_per_step") if since else None
+    return 1000.0 / ms if isinstance(ms, (int, float)) and ms > 0 else None
+
+
+def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
+    """The last progress record of metrics.jsonl ({"kind": "train"}; task: infer, "infer" or its
+    "end"), reading only the end of the file."""
+    records = tail_records(run_dir, tail_bytes)
+    for record in reversed(records):
         kind = record.get("kind")
         if kind == "train":
-            return Progress(record.get("step"), record.get("loss"))
+            return Progress(record.get("step"), record.get("loss"), max_steps=record.get("max_steps"),
+                            tokens_per_s=record.get("tokens_per_s"), rate=steps_per_s(records))
         if kind == "infer":
-            return Progress(rows=record.get("rows"), rows_total=record.get("rows_total"))
+            return Progress(rows=record.get("rows"), rows_total=record.get("rows_total"),
+                            rate=record.get("rows_per_s"))
         if kind == "end" and "rows" in record:
             return Progress(rows=record["rows"], rows_total=record["rows"])
     return Progress()

@@ -16,6 +16,7 @@ import torch
 from hpcgpu.contract import ENV_SPEC, RunPaths
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
+from hpcgpu.runtime.diagnostics import print_startup_line
 from hpcgpu.runtime.env import DistEnv, bind_gpu_group
 from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
@@ -99,6 +100,7 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     spec_obj, spec_path = _resolve_spec(spec)
     env = bind_gpu_group(DistEnv.from_environ(gpus_per_task=spec_obj.gpus_per_task if spec_obj else 1))
     setup_logging(env)
+    print_startup_line(env)
     device = _dist.select_device(env)
     if alone_group is None:
         alone_group = spec_obj is not None and spec_obj.distributed.strategy == "deepspeed"

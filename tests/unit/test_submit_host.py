@@ -171,6 +171,23 @@ def test_last_progress_reads_the_last_train_record(tmp_path):
     assert last_progress(tmp_path / "nothing").step is None
 
 
+def test_eta_comes_from_the_rate_since_the_last_start(tmp_path):
+    records = [{"kind": "train", "step": 1, "time": 0.0, "max_steps": 100, "ms_per_step": 900.0},
+               {"kind": "resume", "step": 40},
+               {"kind": "train", "step": 50, "time": 1000.0, "max_steps": 100, "ms_per_step": 500.0},
+               {"kind": "train", "step": 60, "time": 1020.0, "max_steps": 100, "ms_per_step": 500.0,
+                "tokens_per_s": 123.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    p = last_progress(tmp_path)
+    assert (p.step, p.max_steps, p.tokens_per_s, p.text()) == (60, 100, 123.0, "step 60/100")
+    assert p.eta_s() == pytest.approx(40 / (10 / 20))  # 10 steps in 20 s since the resume: 80 s left
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(records[-1]) + "\n")  # one record: its ms/step
+    assert last_progress(tmp_path).eta_s() == pytest.approx(40 * 0.5)
+    infer = {"kind": "infer", "rows": 30, "rows_total": 90, "rows_per_s": 2.0}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(infer) + "\n")
+    assert last_progress(tmp_path).eta_s() == pytest.approx(30.0)
+
+
 def test_status_of_an_infer_run_gives_rows_done_of_total(tmp_path):
     from hpcgpu.cli.jobs import step_cell
 

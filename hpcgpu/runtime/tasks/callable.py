@@ -5,6 +5,7 @@ import importlib
 
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import init
 from hpcgpu.spec import Spec
 
@@ -24,5 +25,7 @@ def load_entry(entry: str):  # type: ignore[no-untyped-def]
 def run_callable(spec: Spec, paths: RunPaths) -> int:
     fn = load_entry(spec.entry or "")
     with init(spec, paths) as ctx:
-        result = fn(ctx)
+        with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
+                        enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
+            result = fn(ctx)
     return result if isinstance(result, int) else 0

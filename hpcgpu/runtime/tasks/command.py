@@ -8,7 +8,9 @@ from pathlib import Path
 from types import FrameType
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, EXIT_STOPPED, RunPaths
+from hpcgpu.runtime.diagnostics import print_startup_line
 from hpcgpu.runtime.early import early_signal, release_others
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.logsetup import setup_logging
@@ -49,6 +51,7 @@ def ranks_have_gpus(environ: dict[str, str]) -> bool:
 def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     env = DistEnv.from_environ()
     setup_logging(env)
+    print_startup_line(env)
     run_dir = paths.run_dir
     argv = list(spec.command or [])
     stops = stop_signals(spec)
@@ -75,7 +78,10 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
             raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
         if received:
             proc.send_signal(received[0])  # it came in the instant the program was being started
-        code = proc.wait()
+        # local rank 0 of each node samples the node's GPUs while the program runs, as for train
+        with GpuMonitor(paths.run_dir, env.local_rank, spec.monitor.interval_s, node_rank=env.node_rank,
+                        enabled=spec.monitor.enabled):
+            code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

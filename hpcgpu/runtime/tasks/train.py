@@ -419,7 +419,7 @@ class StepLog:
         lr = tr.last_lr
         peak_mem = torch.cuda.max_memory_allocated(tr.device) / 2**30 if tr.device.type == "cuda" else None
         self.metrics.write("train", step=tr.step, loss=loss, lr=lr, ms_per_step=ms, tokens_per_s=tok_s,
-                           tokens=tr.tokens_seen, mfu=mfu, peak_mem_gib=peak_mem)
+                           tokens=tr.tokens_seen, mfu=mfu, peak_mem_gib=peak_mem, max_steps=tr.spec.train.max_steps)
         msg = (f"step {tr.step:>6}/{tr.spec.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                f"{ms:8.1f} ms/step | {tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
         if self.bar is not None:
