@@ -9,7 +9,9 @@ FILE has one job per line, written as the arguments of `hpcgpu submit`:
 
 Spec paths are relative to FILE. Every line is checked before any job starts. A line whose
 identical spec already finished is skipped, and one that was stopped resumes, so running the same
-queue again after Ctrl-C goes on where it stopped.
+queue again after Ctrl-C goes on where it stopped. The GPUs are read every --poll seconds while a
+job waits: a busy one is used once free in --free-checks readings in a row. --retries N runs a
+failed job again (resuming its run dir) up to N times.
 """
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ from hpcgpu.cli.options import ignore_busy_option, read_spec, spec_options
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.cli.table import format_table
 from hpcgpu.gpu.busy import BusyThresholds, strictest
-from hpcgpu.launch.queue import (GpuPool, Queue, QueueEntry, exit_code, local_starter, queue_file_lines,
-                                 summary_rows)
+from hpcgpu.launch.queue import (GpuPool, GpuWatch, Queue, QueueEntry, exit_code, local_starter,
+                                 queue_file_lines, summary_rows)
 from hpcgpu.launch.registry import Registry
 from hpcgpu.launch.rundir import find_finished_run, missing_inputs
 from hpcgpu.launch.sweep import sweep_tasks, with_sweep
@@ -108,72 +110,87 @@ def pool_thresholds(entries: list[QueueEntry], memory_pct: float | None, util_pc
                           th.util_pct if util_pct is None else util_pct, th.processes)
 
 
-def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThresholds()
-             ) -> tuple[list[str] | None, list[str]]:
-    """The GPU ids the queue may use and notes about busy ones (left out, or used with
-    --ignore-busy: with their processes and memory); None: no GPU, CPU mode."""
+def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThresholds(), free_checks: int = 3
+             ) -> tuple[GpuPool, list[str]]:
+    """The GPUs the queue may use and notes about the busy ones (waiting until free, or used with
+    --ignore-busy: with their processes and memory). Busy ones stay in the pool, watched: each is
+    used once free in `free_checks` readings in a row. ids None: no GPU, CPU mode."""
     from hpcgpu.gpu.busy import busy_reasons, select, usage_text
     from hpcgpu.gpu.source import default_source
 
     if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return None, []  # GPUs hidden on purpose: the CPU it is
+        return GpuPool(None), []  # GPUs hidden on purpose: the CPU it is
     source = default_source()
     if not source.available():
         if gpus:  # trusted as given: nothing here to check them against
-            return [g.strip() for g in gpus.split(",") if g.strip()], []
-        return None, []
-    readings = source.read(processes=True)
+            return GpuPool([g.strip() for g in gpus.split(",") if g.strip()]), []
+        return GpuPool(None), []
+    readings = source.read(processes=True)  # the first reading: the watch goes on from it
     chosen, why = select(readings, gpus, None if gpus else os.environ.get("CUDA_VISIBLE_DEVICES"))
     if gpus and len(chosen) < len([g for g in gpus.split(",") if g.strip()]):
         raise UsageError(f"--gpus {gpus}: {why}")
-    notes, ids = [], []
+    notes = []
     for r in chosen:
         reasons = busy_reasons(r, th)
         if reasons and not ignore_busy:
-            notes.append(f"GPU {r.index} left out, busy: {', '.join(reasons)}; {usage_text(r)} "
-                         "(--ignore-busy uses it anyway)")
-            continue
-        if reasons:
+            notes.append(f"GPU {r.index} left out, busy: {', '.join(reasons)}; {usage_text(r)}; used once free in "
+                         f"{free_checks} readings in a row (--ignore-busy uses it now)")
+        elif reasons:
             notes.append(f"warning: GPU {r.index} is busy: {', '.join(reasons)}; {usage_text(r)}; "
                          "used anyway (--ignore-busy)")
-        ids.append(str(r.index))
-    return ids, notes
+    watch = None if ignore_busy else GpuWatch(source, th, free_checks, chosen)
+    return GpuPool([str(r.index) for r in chosen], watch, {str(r.index): r for r in chosen}), notes
+
+
+def pool_text(pool: GpuPool) -> str:
+    """What the queue runs over: 'GPUs 2,3 (and 0,1 once free)'."""
+    if pool.ids is None:
+        return "the CPU, one job at a time (no GPU here)"
+    ready = pool.ready()
+    later = [d for d in pool.ids if d not in ready]
+    return f"GPUs {','.join(ready)}" + (f" (and {','.join(later)} once free)" if later else "")
 
 
 @click.command()
 @click.argument("queue_file", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--gpus", default=None, metavar="0,1,4,7",
-              help="The GPUs the queue may use (default: every free GPU here).")
+              help="The GPUs the queue may use (default: every GPU here; a busy one once it is free).")
 @ignore_busy_option
 @click.option("--busy-memory-pct", type=click.FloatRange(0, 100), default=None, metavar="PCT",
               help="A GPU with more than this % of its memory used is busy [the lines' resources.busy.memory_pct, 10].")
 @click.option("--busy-util-pct", type=click.FloatRange(0, 100), default=None, metavar="PCT",
               help="A GPU with more than this % utilization is busy [the lines' resources.busy.util_pct, 10].")
+@click.option("--free-checks", type=click.IntRange(min=1), default=3, show_default=True, metavar="N",
+              help="A busy GPU is used once free in N readings in a row (one reading every --poll seconds).")
+@click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=2.0, show_default=True, metavar="SECONDS",
+              help="How often the queue reads the GPUs and looks at its jobs.")
+@click.option("--retries", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Run a failed job again, resuming its run dir, up to N times.")
 @click.option("--dry-run", is_flag=True, help="Check every line and show the pool; start nothing.")
 def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, busy_memory_pct: float | None,
-          busy_util_pct: float | None, dry_run: bool) -> int:
+          busy_util_pct: float | None, free_checks: int, poll_s: float, retries: int, dry_run: bool) -> int:
     """Run the jobs of FILE (one `SPEC [--gpus N] [--set K=V]` per line) over free local GPUs."""
     entries = read_entries(queue_file)
-    ids, notes = gpu_pool(gpus, ignore_busy, pool_thresholds(entries, busy_memory_pct, busy_util_pct))
+    pool, notes = gpu_pool(gpus, ignore_busy, pool_thresholds(entries, busy_memory_pct, busy_util_pct), free_checks)
     for note in notes:
         click.echo(f"queue: {note}", err=True)
-    if ids is not None:
-        if not ids:
+    if pool.ids is not None:
+        if not pool.ready():  # waiting for all of them to free up is more likely a wrong --gpus
             raise UsageError("no free GPU to run the queue on" + (f" among --gpus {gpus}" if gpus else "")
                              + " (--ignore-busy uses busy ones)")
-        too_big = [e for e in entries if e.gpus > len(ids)]
+        too_big = [e for e in entries if e.gpus > len(pool.ids)]
         if too_big:
             e = too_big[0]
-            raise UsageError(f"{queue_file}:{e.line}: {e.name} needs {e.gpus} GPUs, the queue has {len(ids)} "
-                             f"({','.join(ids)}); lower --gpus on the line")
-    where = f"GPUs {','.join(ids)}" if ids is not None else "the CPU, one job at a time (no GPU here)"
+            raise UsageError(f"{queue_file}:{e.line}: {e.name} needs {e.gpus} GPUs, the queue has {len(pool.ids)} "
+                             f"({','.join(pool.ids)}); lower --gpus on the line")
     todo = sum(1 for e in entries if not e.finished_in)
-    click.echo(f"queue: {todo} of {len(entries)} job(s) to run over {where}", err=True)
+    click.echo(f"queue: {todo} of {len(entries)} job(s) to run over {pool_text(pool)}", err=True)
     if dry_run:
         click.echo(format_table([("LINE", "NAME", "GPUS", "ARGS")] + [
             (str(e.line), e.name, str(e.gpus), "skipped: finished in " + e.finished_in if e.finished_in
              else shlex.join(e.argv)) for e in entries]))
         return 0
-    results = Queue(entries, GpuPool(ids), local_starter(Registry()), lambda m: click.echo(m, err=True)).run()
+    results = Queue(entries, pool, local_starter(Registry()), lambda m: click.echo(m, err=True), poll_s=poll_s,
+                    retries=retries).run()
     click.echo(format_table(summary_rows(results)))
     return exit_code(results)

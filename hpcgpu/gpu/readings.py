@@ -3,7 +3,8 @@
 The logic above this layer (busy detection, recommendations, the monitor, `hpcgpu hw`) reads
 `GpuReading`s from a `GpuSource`, never pynvml directly, so it runs on CPU machines against recorded
 readings (JSON files of real H100/A100 machines under tests/unit/fixtures/). HPCGPU_NVML_RECORDED=FILE
-makes every command of this process read that file instead of the driver (tests, demos).
+makes every command of this process read that file instead of the driver (tests, demos). A recording
+is one snapshot, or a timeline of snapshots that a source steps through one read at a time.
 """
 from __future__ import annotations
 
@@ -82,28 +83,44 @@ class GpuSource(Protocol):
 
 
 class RecordedSource:
-    """Readings from a JSON file ({"driver": ..., "gpus": [reading, ...]}) or a list, for tests and demos."""
+    """Readings from a recording, for tests and demos: one snapshot, {"driver": ..., "gpus": [reading, ...]},
+    or a timeline, {"driver": ..., "timeline": [{"gpus": [...]}, {"gpus": [...]}, ...]}.
 
-    def __init__(self, readings: Sequence[GpuReading], driver: str | None = "recorded"):
-        self.readings = list(readings)
+    A timeline advances by read count, not by clock: the k-th read() of a source gets snapshot k
+    (counting from 0), and the last snapshot once the timeline is used up. So a test knows what the
+    k-th look of a process sees however slowly the machine runs; each process (each source) starts
+    at snapshot 0. available() and driver_version() do not advance it.
+    """
+
+    def __init__(self, readings: Sequence[GpuReading], driver: str | None = "recorded",
+                 timeline: Sequence[Sequence[GpuReading]] = ()):
+        self.timeline = [list(step) for step in timeline] or [list(readings)]
+        self.readings = self.timeline[0]
         self.driver = driver
+        self.reads = 0  # read() calls so far: the next one gets snapshot min(reads, last)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "RecordedSource":
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
+            steps = [data] if "timeline" not in data else data["timeline"]
+            if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) for s in steps):
+                raise ValueError('"timeline" must be a non-empty list of {"gpus": [...]} snapshots')
+            timeline = [[GpuReading.from_dict(g) for g in step.get("gpus", [])] for step in steps]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             raise HpcgpuError(f"{RECORDED_ENV}: cannot read recorded GPU readings from {path}: {exc}") from None
-        return cls([GpuReading.from_dict(g) for g in data.get("gpus", [])], data.get("driver", "recorded"))
+        return cls(timeline[0], data.get("driver", "recorded"), timeline)
 
     def available(self) -> bool:
-        return bool(self.readings)
+        return any(self.timeline)
 
     def driver_version(self) -> str | None:
-        return self.driver if self.readings else None
+        return self.driver if self.available() else None
 
     def read(self, indices: Sequence[int] | None = None, processes: bool = True) -> list[GpuReading]:
-        chosen = [r for r in self.readings if indices is None or r.index in indices]
+        step = self.timeline[min(self.reads, len(self.timeline) - 1)]
+        self.reads += 1
+        chosen = [r for r in step if indices is None or r.index in indices]
         if not processes:
             chosen = [_without_processes(r) for r in chosen]
         return chosen

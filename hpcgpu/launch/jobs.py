@@ -170,6 +170,8 @@ MESSAGE_CHARS = 300
 SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^\s:]+): tasks? (?P<tasks>\d[\d,\-]*): (?P<how>.+?)\s*$")
 RANK_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label pads the rank to the widest one
 SCHEDULER_LINE = re.compile(r"^(srun|slurmstepd(-[^\s:]+)?|slurmd)(\[\d+\])?: ")
+# the GPU monitor's end-of-job summary comes after a program's last error: it is never the reason
+MONITOR_LINE = re.compile(r"^(\d\d:\d\d:\d\d )?(\[rank \d+\] )?gpu monitor: ")
 SIGNAL_TEXTS = {text.lower(): int(sig) for sig in signal.Signals if (text := signal.strsignal(sig))}
 
 
@@ -323,7 +325,7 @@ def last_line(lines: list[str], rank: int | None = -1) -> str:
         else:
             text = m.group(2) if m and int(m.group(1)) == rank else ""
         text = text.strip()
-        if text and not SCHEDULER_LINE.match(text):
+        if text and not SCHEDULER_LINE.match(text) and not MONITOR_LINE.match(text):
             return text
     return ""
 

@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, kill_leftovers, wait_for, write_spec_file
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.busy import BusyThresholds
+from hpcgpu.gpu.readings import RecordedSource
+from hpcgpu.launch.queue import GpuWatch
 from hpcgpu.launch.registry import Registry
 
 pytestmark = pytest.mark.slow
@@ -32,7 +36,11 @@ for sig in (signal.SIGTERM, signal.SIGUSR2):  # whichever stop signal the spec g
     signal.signal(sig, stop)
 pathlib.Path(os.environ["OUT"], os.environ["JOB"] + ".started").write_text("")
 override = out.with_suffix(".seconds")  # lets a test shorten a rerun without changing the spec
-time.sleep(float(override.read_text() if override.exists() else os.environ.get("SECONDS_TO_RUN", "2")))
+if os.environ.get("WAIT_FOR"):  # run until another job has written its record (at most 30 s)
+    while not pathlib.Path(os.environ["WAIT_FOR"]).exists() and time.time() < start + 30:
+        time.sleep(0.05)
+else:
+    time.sleep(float(override.read_text() if override.exists() else os.environ.get("SECONDS_TO_RUN", "2")))
 out.write_text(json.dumps({"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": start, "end": time.time()}))
 sys.exit(int(os.environ.get("EXIT", "0")))
 """
@@ -47,7 +55,8 @@ def job_spec(folder: Path, name: str = "job", seconds: float = 2.0, exit_code: i
 
 
 def queue_cmd(queue_file: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "hpcgpu", "queue", str(queue_file), *args]
+    """Readings (and looks at the jobs) every 0.2 s: short tests; a recorded timeline steps per reading."""
+    return [sys.executable, "-m", "hpcgpu", "queue", str(queue_file), "--poll", "0.2", *args]
 
 
 def run_queue(queue_file: Path, *args: str, env: dict | None = None, timeout: float = 120
@@ -66,13 +75,14 @@ def write_queue(folder: Path, *lines: str) -> Path:
 
 
 def table(stdout: str) -> dict[str, dict[str, str]]:
-    """The summary table by line number."""
-    rows = [line.split() for line in stdout.strip().splitlines()]
-    head = ["LINE", "NAME", "GPUS", "STATE", "EXIT", "SECONDS", "JOB", "RUN_DIR"]
+    """The summary table by line number (REASON, the last column, may have spaces)."""
+    head = ["LINE", "NAME", "GPUS", "STATE", "EXIT", "TRIES", "SECONDS", "JOB", "RUN_DIR", "REASON"]
+    lines = stdout.strip().splitlines()
+    assert lines[0].split() == head[:8] + ["RUN", "DIR", "REASON"], lines[0]
     out = {}
-    for row in rows[1:]:
-        if row[3] == "NOT":  # "NOT STARTED" is two words
-            row = row[:3] + ["NOT STARTED"] + row[5:]
+    for line in lines[1:]:
+        row = line.replace("NOT STARTED", "NOT_STARTED").split(maxsplit=len(head) - 1)
+        row[3] = row[3].replace("_", " ")
         out[row[0]] = dict(zip(head, row))
     return out
 
@@ -223,3 +233,121 @@ def test_sigterm_stops_the_running_jobs_and_the_same_queue_goes_on(tmp_path):
     assert rows["2"]["STATE"] == rows["3"]["STATE"] == "COMPLETED"
     assert rows["2"]["RUN_DIR"] == stopped_dir  # the stopped job resumed in its own run dir
     assert (tmp_path / "later.json").exists()
+
+
+# --- the queue watches the GPUs: recorded readings that change one reading at a time -------------------
+
+SHARED = json.loads((FIXTURES / "nvml_h100x8_shared.json").read_text())["gpus"]
+
+
+def timeline(folder: Path, *steps: str) -> Path:
+    """A recording of H100s that changes with each reading: step "F B F" has GPU 0 free (an idle
+    H100's reading), GPU 1 busy (another user's python process holding 62 GiB at 98%), GPU 2 free.
+    The k-th reading of a process sees step k, and the last step once they are used up."""
+    def gpu(index: int, state: str) -> dict:
+        return {**SHARED[0 if state == "B" else 2], "index": index, "uuid": SHARED[index]["uuid"]}
+
+    path = folder / "nvml_timeline.json"
+    path.write_text(json.dumps({"driver": "580.159.04", "timeline": [
+        {"gpus": [gpu(i, state) for i, state in enumerate(step.split())]} for step in steps]}))
+    return path
+
+
+def test_a_recorded_timeline_steps_one_snapshot_per_read(tmp_path):
+    source = RecordedSource.from_file(timeline(tmp_path, "F B", "B F"))
+    assert source.available() and source.driver_version() == "580.159.04"  # neither one reads
+    seen = [[bool(r.processes) for r in source.read()] for _ in range(4)]
+    assert seen == [[False, True], [True, False], [True, False], [True, False]]  # the last step stays
+    (tmp_path / "bad.json").write_text('{"timeline": []}')
+    with pytest.raises(HpcgpuError, match="non-empty list"):
+        RecordedSource.from_file(tmp_path / "bad.json")
+
+
+def test_a_gpu_is_usable_after_n_free_readings_in_a_row(tmp_path):
+    """Reading by reading, 2 free readings in a row needed: GPU 0 busy at the start, then free,
+    free, busy (a flicker: the count starts again), free, free. GPU 1 shows someone else's process
+    first while a job of the queue holds it (its own: not judged), then once it is back in the pool."""
+    source = RecordedSource.from_file(timeline(tmp_path, "B F", "F B", "F B", "B F", "F F", "F F"))
+    watch = GpuWatch(source, BusyThresholds(), 2, source.read())
+    usable = [(watch.usable("0"), watch.usable("1"))]
+    lines: list[str] = []
+    for held in (set(), {"1"}, set(), set(), set(), set()):
+        watch.look(held, lines.append)  # the first look goes by the pool's own first reading: no read
+        usable.append((watch.usable("0"), watch.usable("1")))
+    assert usable == [(False, True), (False, True), (False, True), (True, False), (False, False), (False, True),
+                      (True, True)]
+    busy = ("memory 78% used, utilization 98%, 1 compute process(es); 62.0 of 79.6 GiB used; "
+            "processes: pid 412233 python (61.5 GiB)")
+    assert lines == [
+        "queue: GPU 0 free in 2 readings in a row: back in the pool",
+        f"queue: GPU 1 busy: {busy}; not used until free in 2 readings in a row",
+        f"queue: GPU 0 busy: {busy}; not used until free in 2 readings in a row",
+        "queue: GPU 1 free in 2 readings in a row: back in the pool",
+        "queue: GPU 0 free in 2 readings in a row: back in the pool"]
+
+
+def test_a_busy_gpu_waits_for_n_free_readings_in_a_row(tmp_path):
+    """GPUs 1 and 2 are busy at the start. GPU 2 then stays free; GPU 1 flickers (free twice,
+    busy, free twice, busy for good), never free in 3 readings in a row: job b waits for GPU 2."""
+    job_spec(tmp_path)
+    rec = timeline(tmp_path, "F B B", "F F B", "F F B", "F B F", "F F F", "F F F", "F B F")
+    q = write_queue(tmp_path, f"job.yaml --set name=a --set env.JOB=a --set env.WAIT_FOR={tmp_path / 'b.json'}",
+                    "job.yaml --set name=b --set env.JOB=b --set env.SECONDS_TO_RUN=0")
+    proc = run_queue(q, "--gpus", "0,1,2", "--free-checks", "3", env=job_env(HPCGPU_NVML_RECORDED=str(rec)))
+    assert proc.returncode == 0, proc.stderr
+    assert recorded(tmp_path, "a")["visible"] == "0"  # a held GPU 0 until b had run
+    assert recorded(tmp_path, "b")["visible"] == "2"
+    err = proc.stderr
+    assert "over GPUs 0 (and 1,2 once free)" in err
+    assert "queue: GPU 1 left out, busy: " in err and "used once free in 3 readings in a row" in err
+    assert "queue: GPU 2 free in 3 readings in a row: back in the pool" in err
+    assert "GPU 1 free in" not in err
+    assert f"[line 2] a: started on GPU 0 (NVIDIA H100 80GB HBM3, {SHARED[0]['uuid']}), job " in err
+    assert f"[line 3] b: started on GPU 2 (NVIDIA H100 80GB HBM3, {SHARED[2]['uuid']}), job " in err
+    rows = table(proc.stdout)
+    assert (rows["2"]["GPUS"], rows["3"]["GPUS"]) == ("0:GPU-66e5630b", "2:GPU-8a3d5c21")
+    assert (rows["3"]["STATE"], rows["3"]["TRIES"], rows["3"]["REASON"]) == ("COMPLETED", "1", "-")
+
+
+def test_a_gpu_taken_by_someone_else_mid_queue_is_not_given_to_the_next_job(tmp_path):
+    """Both GPUs free at the start; from the next reading on, another user's process holds GPU 1.
+    Job b runs there meanwhile (the queue's own); once b is done, c waits for GPU 0."""
+    job_spec(tmp_path)
+    rec = timeline(tmp_path, "F F", "F B")
+    q = write_queue(tmp_path, "job.yaml --set name=a --set env.JOB=a --set env.SECONDS_TO_RUN=3",
+                    "job.yaml --set name=b --set env.JOB=b --set env.SECONDS_TO_RUN=0",
+                    "job.yaml --set name=c --set env.JOB=c --set env.SECONDS_TO_RUN=0")
+    proc = run_queue(q, "--gpus", "0,1", "--free-checks", "2", env=job_env(HPCGPU_NVML_RECORDED=str(rec)))
+    assert proc.returncode == 0, proc.stderr
+    a, b, c = (recorded(tmp_path, n) for n in "abc")
+    assert (a["visible"], b["visible"], c["visible"]) == ("0", "1", "0")
+    assert c["start"] >= a["end"]
+    assert "queue: GPU 1 busy: memory 78% used, utilization 98%, 1 compute process(es); 62.0 of 79.6 GiB" in proc.stderr
+    assert table(proc.stdout)["4"]["GPUS"] == "0:GPU-66e5630b"
+
+
+FLAKY = ("import pathlib, sys; m = pathlib.Path(sys.argv[1]); "
+         "m.exists() or (m.write_text(''), sys.exit('no marker yet: the first attempt fails'))")
+
+
+def test_retries_run_a_failed_job_again_in_its_run_dir(tmp_path):
+    """flaky fails once (no marker yet), then finishes: 2 attempts. bad always fails: 1 + 2 retries."""
+    for name, code in (("flaky", FLAKY), ("bad", "import sys; sys.exit('out of luck')")):
+        write_spec_file(tmp_path, {"name": name, "task": "command", "resources": {"gpus": 1, "cpus_per_gpu": 1},
+                                   "command": [sys.executable, "-c", code, str(tmp_path / "marker")]})
+    q = write_queue(tmp_path, "flaky.yaml --new", "bad.yaml")
+    proc = run_queue(q, "--gpus", "0,1", "--retries", "2")
+    assert proc.returncode == 1, proc.stderr
+    rows = table(proc.stdout)
+    flaky, bad = rows["2"], rows["3"]
+    assert (flaky["STATE"], flaky["EXIT"], flaky["TRIES"]) == ("COMPLETED", "0", "2")
+    assert flaky["REASON"].startswith("attempt 1: rank 0 on ")
+    assert flaky["REASON"].endswith("exit code 1: no marker yet: the first attempt fails")
+    assert (bad["STATE"], bad["EXIT"], bad["TRIES"]) == ("FAILED", "1", "3")
+    assert bad["REASON"].startswith("attempt 3: ") and bad["REASON"].endswith("out of luck")
+    err = proc.stderr
+    assert err.count("[line 3] bad: started") == 3 and "bad: started (attempt 3 of 3) on GPU" in err
+    assert "; retrying (attempt 2 of 3)" in err and "retrying (attempt 4" not in err
+    # the retry resumed the run dir the failed attempt left (even on a --new line)
+    assert f"flaky: started (attempt 2 of 3) on GPU " in err and f"resuming {flaky['RUN_DIR']}" in err
+    assert len(list((tmp_path / "runs" / "flaky").iterdir())) == 1

@@ -69,6 +69,12 @@ def test_the_last_error_line_of_a_rank_skips_scheduler_lines():
     # the batch script's own lines have no label
     assert last_line(["0: hi", "slurm_script: line 12: module: command not found", "srun: error: x"],
                      rank=None) == "slurm_script: line 12: module: command not found"
+    # the GPU monitor's summary, written after the program died, is not the error
+    assert last_line(["Traceback (most recent call last):", "ValueError: bad batch",
+                      "12:00:01 [rank 0] gpu monitor: gpu 2: util mean 3% peak 9% | memory peak 0.5/79.6 GiB"],
+                     rank=-1) == "ValueError: bad batch"
+    assert last_line(["0: ValueError: bad batch", "0: 12:00:01 gpu monitor: gpu 0: util mean 1%"],
+                     rank=0) == "ValueError: bad batch"
 
 
 def test_only_the_tail_of_a_log_is_read(tmp_path):
