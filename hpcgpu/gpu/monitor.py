@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Any, Callable, Sequence
 
 from hpcgpu.contract import ENV_NODE_GPUS
 from hpcgpu.gpu.busy import select
@@ -77,13 +77,16 @@ def gpu_file(run_dir: Path, node: int) -> Path:
 class GpuMonitor:
     def __init__(self, run_dir: str | os.PathLike, local_rank: int = 0, interval_s: float = 5.0,
                  devices: Sequence[int | str] | str | None = None, *, enabled: bool = True,
-                 node_rank: int | None = None, source: GpuSource | None = None):
+                 node_rank: int | None = None, source: GpuSource | None = None,
+                 on_sample: Callable[[list[dict[str, Any]]], None] | None = None):
         self.run_dir, self.interval_s = Path(run_dir), max(0.05, float(interval_s))
         self.active = enabled and local_rank == 0
         self.devices: str | None = devices if devices is None or isinstance(devices, str) \
             else ",".join(map(str, devices))
         self.node = int(os.environ.get("SLURM_NODEID", "0") or 0) if node_rank is None else node_rank
         self._source = source
+        # each sample's records (as in gpu.jsonl), called from the sampler thread (rank 0's trackers)
+        self.on_sample = on_sample
         self._indices: list[int] = []
         self._fh: IO[str] | None = None
         self._stop = threading.Event()
@@ -128,16 +131,27 @@ class GpuMonitor:
         """One line per GPU; False stops the sampler (the reason is logged once)."""
         try:
             now = time.time()
-            lines = []
+            records = []
             for r in self._source.read(self._indices, processes=False):  # type: ignore[union-attr]
                 self.summaries.setdefault(r.index, GpuSummary(r.index)).add(r)
-                lines.append(json.dumps(record(r, self.node, now)))
-            if self._fh is not None and lines:
-                self._fh.write("\n".join(lines) + "\n")
-            return True
+                records.append(record(r, self.node, now))
+            if self._fh is not None and records:
+                self._fh.write("\n".join(map(json.dumps, records)) + "\n")
         except Exception as exc:
             log.warning(f"gpu monitor: sampling stopped: {exc}")
             return False
+        self._notify(records)
+        return True
+
+    def _notify(self, records: list[dict[str, Any]]) -> None:
+        """Hand a sample to on_sample; one that fails is not called again (gpu.jsonl goes on)."""
+        if self.on_sample is None or not records:
+            return
+        try:
+            self.on_sample(records)
+        except Exception as exc:
+            log.warning(f"gpu monitor: on_sample failed ({exc}); samples go to gpu.jsonl only")
+            self.on_sample = None
 
     def stop(self) -> dict[int, GpuSummary]:
         """Stop sampling, take a last sample, log and return the per-GPU summary (mean and peak)."""

@@ -17,6 +17,9 @@ One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM
   transformers version, so these commands never import transformers or torch themselves; without
   transformers here the check is skipped;
 - runs_dir can hold run dirs (no file in the way, a folder we may write);
+- track.tensorboard / track.wandb: their package is installed in this Python (found, not imported);
+  track.wandb.mode online: a W&B login (WANDB_API_KEY or a ~/.netrc entry; as env_passthrough: submit
+  an error, sbatch a warning);
 - the variables env_passthrough names are set in this shell (submit: an error; sbatch: a warning,
   since the script takes them from the shell that runs `sbatch` later).
 Every problem is one line naming the key, exit 2.
@@ -25,12 +28,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
+from urllib.parse import urlparse
 
 from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.spec import Spec
@@ -336,6 +341,53 @@ def passthrough_problem(names: list[str], slurm: bool, environ: Mapping[str, str
     return None
 
 
+# --- track: trackers -----------------------------------------------------------------------------
+
+Finder = Callable[[str], Any]  # importlib.util.find_spec: None where the module cannot be imported
+WANDB_HOST = "api.wandb.ai"
+
+
+def wandb_enabled(spec: Spec) -> bool:
+    return spec.track.wandb is not None and spec.track.wandb.mode != "disabled"
+
+
+def tracker_package_problem(spec: Spec, find: Finder = importlib.util.find_spec) -> str | None:
+    """The trackers the spec enables need their packages in this Python (the job runs it); looked up
+    with find_spec, never imported here."""
+    if spec.track.tensorboard and find("tensorboard") is None:
+        return ("track.tensorboard: true needs the tensorboard package, which this Python does not have: "
+                "pip install 'hpcgpu[tensorboard]', or set track.tensorboard: false")
+    if wandb_enabled(spec) and find("wandb") is None:
+        return ("track.wandb needs the wandb package, which this Python does not have: pip install "
+                "'hpcgpu[wandb]', or leave track.wandb out")
+    return None
+
+
+def wandb_login_problem(spec: Spec, environ: Mapping[str, str] | None = None) -> str | None:
+    """track.wandb.mode: online needs a login the job can use: WANDB_API_KEY in this environment
+    (passed to the job), or a ~/.netrc entry for the W&B host (`wandb login` writes it; $NETRC too)."""
+    if spec.track.wandb is None or spec.track.wandb.mode != "online":
+        return None
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(env.get("WANDB_BASE_URL") or f"https://{WANDB_HOST}").hostname or WANDB_HOST
+    netrc = Path(env.get("NETRC") or Path(env.get("HOME") or Path.home()) / ".netrc").expanduser()
+    if netrc_has_machine(netrc, host):
+        return None
+    return (f"track.wandb.mode: online needs a W&B login: run `wandb login` (it writes ~/.netrc) or export "
+            f"WANDB_API_KEY (and list it in env_passthrough); or use mode: offline and `wandb sync` the run later")
+
+
+def netrc_has_machine(path: Path, host: str) -> bool:
+    """Whether a netrc file has a `machine HOST` entry (read as words, as netrc files are)."""
+    try:
+        words = path.read_text(errors="replace").split()
+    except OSError:
+        return False
+    return any(word == "machine" and nxt == host for word, nxt in zip(words, words[1:]))
+
+
 # --- all together ---------------------------------------------------------------------------------
 
 def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: Warn | None = None,
@@ -363,6 +415,9 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
         problem = model_type_problem(one)
         if problem:
             raise SpecError("model.config.model_type", problem)
+        problem = tracker_package_problem(one)
+        if problem:
+            raise SpecError("", problem)
         data_key = ("data", repr((one.task, one.data.train, one.data.eval, one.data.format, one.model.name_or_path)))
         if data_key not in seen:  # a sweep's tasks share these: read the rows once
             seen.add(data_key)
@@ -382,6 +437,11 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
         problem = runs_dir_problem(next(one for one in specs if one.runs_dir == runs_dir))
         if problem:
             raise SpecError("runs_dir", f"{problem}; set runs_dir to a folder you can write")
+    login = next((p for p in (wandb_login_problem(one, environ) for one in specs) if p), None)
+    if login and passthrough == "error":  # like env_passthrough: what the job takes from this shell
+        raise SpecError("", login)
+    if login and passthrough == "warn" and warn:
+        warn(f"warning: {login}")
     names = list(dict.fromkeys(name for one in specs for name in one.env_passthrough))
     if passthrough == "skip" or not names:
         return

@@ -252,6 +252,34 @@ class Monitor:
     interval_s: float = field(default=5.0, metadata=meta("seconds between GPU samples", min=0.1))
 
 
+TRACKER_NAME_RE = r"^[A-Za-z0-9_.-]+$"
+
+
+@dataclass(frozen=True)
+class Wandb:
+    project: Optional[str] = field(default=None, metadata=meta(
+        "W&B project; default: the spec's name", pattern=TRACKER_NAME_RE, fmt="letters, digits, '_', '.', '-'"))
+    entity: Optional[str] = field(default=None, metadata=meta(
+        "W&B user or team; default: your default entity", pattern=TRACKER_NAME_RE,
+        fmt="letters, digits, '_', '.', '-'"))
+    mode: Literal["offline", "online", "disabled"] = field(default="offline", metadata=meta(
+        "offline: files under <run dir>/wandb/ to `wandb sync` later (compute nodes often have no internet); "
+        "online: needs a login (WANDB_API_KEY or ~/.netrc); disabled: no W&B"))
+    tags: list[str] = field(default_factory=list, metadata=meta(
+        "tags of the W&B run", pattern=r"^[^\x00-\x1f]{1,64}$", fmt="a tag of 1 to 64 characters on one line"))
+
+
+@dataclass(frozen=True)
+class Track:
+    tensorboard: bool = field(default=False, metadata=meta(
+        "TensorBoard event files in <run dir>/tensorboard/ (pip install 'hpcgpu[tensorboard]')"))
+    wandb: Optional[Wandb] = field(default=None, metadata=meta(
+        "Weights & Biases (pip install 'hpcgpu[wandb]'); absent: no W&B"))
+    every_steps: Optional[int] = field(default=None, metadata=meta(
+        "send every Nth train step to the trackers (metrics.jsonl keeps every logged one); default: "
+        "train.log_every", min=1))
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
@@ -266,6 +294,7 @@ class Spec:
     infer: Infer = field(default_factory=Infer, metadata=meta("batch inference (task: infer)"))
     checkpoint: Checkpoint = field(default_factory=Checkpoint, metadata=meta("checkpoints and resume"))
     monitor: Monitor = field(default_factory=Monitor, metadata=meta("GPU sampling inside the job (gpu.jsonl)"))
+    track: Track = field(default_factory=Track, metadata=meta("experiment trackers fed by rank 0 (TensorBoard, W&B)"))
     command: Optional[list[str]] = field(default=None, metadata=meta(
         "argv of the user's program, started once per rank (task: command)"))
     entry: Optional[str] = field(default=None, metadata=meta(

@@ -118,7 +118,8 @@ def test_schema_is_json():
     assert schema["properties"]["resources"]["additionalProperties"] is False
 
 
-HEAVY = ("torch", "transformers", "deepspeed", "submitit", "accelerate", "numpy", "matplotlib", "pynvml")
+HEAVY = ("torch", "transformers", "deepspeed", "submitit", "accelerate", "numpy", "matplotlib", "pynvml", "tensorboard",
+         "wandb")
 
 
 def test_host_commands_import_nothing_heavy(tmp_path):

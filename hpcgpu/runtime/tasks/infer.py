@@ -53,6 +53,7 @@ from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.dist import coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.model import load_for_inference, model_config, placement
 from hpcgpu.runtime.plan import (DTYPE_BYTES, DTYPE_OF_PRECISION, RunPlan, check_recorded, infer_precision,
                                  infer_row_bytes, plan_infer, recorded_plan, with_replicas)
@@ -613,7 +614,8 @@ def run_infer(spec: Spec, paths: RunPaths) -> int:
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
         quiet_libraries(ctx)
-        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main)
+        # rank 0's TensorBoard / W&B, fed by metrics; opened once the run plan is written
+        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=open_tracking(spec, paths, ctx.is_main))
         try:
             return _run(ctx, spec, paths, metrics)
         finally:
@@ -659,8 +661,12 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
         outputs.repair_all(paths)
     ctx.barrier()  # no replica reads the replica files before they are whole
     engine = Engine(spec, model, codec, ids, rows, ctx.device)
+    tracking = metrics.tracking
+    if tracking is not None:
+        tracking.start()  # plan.json is written; opened before the clock of rows/s starts
     with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
-                    enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
+                    enabled=spec.monitor.enabled and ctx.device.type == "cuda",
+                    on_sample=tracking.gpu_sample if tracking is not None and tracking.active else None):
         outcome, progress = infer_loop(ctx, spec, paths, engine, batches, metrics, rows)
     if outcome == "stopped":
         return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")

@@ -35,6 +35,8 @@ from hpcgpu.runtime.dist import any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, settle_plan, write_plan
+from hpcgpu.runtime.strategy import ddp_options
+from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
@@ -116,12 +118,6 @@ def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device,
               {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type == "cuda" and not offload  # offloaded optimizer states live on the CPU
     return torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=fused)
-
-
-def ddp_options(spec: Spec) -> dict[str, Any]:
-    d = spec.distributed.ddp
-    return {"bucket_cap_mb": d.bucket_cap_mb, "gradient_as_bucket_view": d.gradient_as_bucket_view,
-            "static_graph": d.static_graph, "find_unused_parameters": d.find_unused_parameters}
 
 
 # ---------------------------------------------------------------- RNG state (fixed keys)
@@ -586,7 +582,8 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             return 0
         quiet_libraries(ctx)
         plan = start_plan(ctx, spec, paths)
-        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main)
+        tracking = open_tracking(spec, paths, ctx.is_main)  # rank 0's TensorBoard / W&B, fed by metrics
+        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=tracking)
         tr: Trainer | None = None
         try:
             tr = Trainer(ctx, spec, plan)
@@ -598,8 +595,10 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
                 # the signal came while the job was starting: its state is the checkpoint it resumed
                 # from (or nothing yet), so nothing is lost by leaving now
                 return stop_run(ctx, spec, tr, metrics, "before the first step; nothing new to save")
+            tracking.start(tr.start_step)  # plan.json is written; TensorBoard drops steps after the checkpoint
             with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
-                            enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
+                            enabled=spec.monitor.enabled and ctx.device.type == "cuda",
+                            on_sample=tracking.gpu_sample if tracking.active else None):
                 outcome = train_loop(ctx, tr, metrics)
             if outcome == "stopped":
                 return stop_run(ctx, spec, tr, metrics, "with a checkpoint")
