@@ -38,3 +38,29 @@ def test_a_command_task_gets_its_gpu_monitored(tmp_path: Path) -> None:
     assert {s["gpu"] for s in samples} == {0} and len(samples) >= 5
     assert max(s["util"] for s in samples) > 50  # the program's matmuls, seen by the wrapper's sampler
     assert "gpu monitor: gpu 0: util mean" in log
+
+
+def test_the_trackers_receive_the_gpu_samples_of_a_train_job(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    text = Path(__file__).resolve().parents[2] / "configs" / "data" / "pydocs.txt"
+    spec = {"name": "tracked", "task": "train", "runs_dir": str(tmp_path / "runs"),
+            "resources": {"gpus": 1, "cpus_per_gpu": 2}, "monitor": {"interval_s": 0.2},
+            "model": {"config": {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 256,
+                                 "n_positions": 256, "vocab_size": 256}},
+            "data": {"train": str(text), "seq_len": 256},
+            "train": {"global_batch_size": 16, "max_steps": 40, "log_every": 5, "compile": False},
+            "track": {"tensorboard": True}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "tracked").iterdir()
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and "gpu/0/util" in tags and "gpu/0/mem_used_gib" in tags, tags
+    assert max(e.value for e in events.Scalars("gpu/0/mem_used_gib")) > 0
