@@ -1,15 +1,27 @@
 """The context every task gets: rank, device, spec, run dir, and an agreed stop flag.
 
-`hpcgpu.init()` returns it; the built-in tasks use the same API as the user's own code.
+`hpcgpu.init()` returns it; the built-in tasks use the same API as the user's own code. The user's
+own training loop also gets the spec's strategy, precision and checkpoints through it:
+
+    model, optimizer = ctx.prepare(model, optimizer, scheduler=None)   # device, DDP/DeepSpeed, SyncBN
+    loader = ctx.data_loader(dataset, batch_size=None, shuffle=True)   # this rank's share, resumable
+    step = ctx.resume()                     # 0, or the step of the newest checkpoint (everything restored)
+    with ctx.autocast(): loss = ...         # bf16/fp16 where train.precision resolves to it
+    ctx.backward(loss); ctx.step()          # scaler- and engine-aware; zero_grad and scheduler included
+    ctx.save(step)                          # model, optimizer, scheduler, RNG, loader positions
+    if ctx.should_stop(): return ctx.stop(step)   # checkpoint, requeue under SLURM, exit code 75
+
+runtime/prepare.py and runtime/loader.py hold the work; the methods here only route to them.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sized
 
 import torch
 
@@ -23,7 +35,10 @@ from hpcgpu.runtime.preempt import StopFlag, stop_signals
 from hpcgpu.spec import Spec, dump_spec, load_spec
 
 if TYPE_CHECKING:
+    from hpcgpu.runtime.loader import ResumableLoader
+    from hpcgpu.runtime.metrics import MetricsWriter
     from hpcgpu.runtime.plan import RunPlan
+    from hpcgpu.runtime.prepare import Prepared
 
 log = logging.getLogger("hpcgpu")
 
@@ -37,6 +52,10 @@ class Context:
     checkpoint: Any = None  # a checkpoint manager, set by tasks that checkpoint
     plan: RunPlan | None = None  # the task's run plan, set by tasks that make one (train)
     stop_flag: StopFlag = field(default_factory=StopFlag)
+    prepared: Prepared | None = None  # what ctx.prepare set up
+    loaders: list[ResumableLoader] = field(default_factory=list)  # every ctx.data_loader: saved by ctx.save
+    loader_states: list[dict[str, int]] = field(default_factory=list)  # resumed, for loaders made after resume
+    _metrics: MetricsWriter | None = None
     _closed: bool = False
 
     @property
@@ -62,9 +81,100 @@ class Context:
     def barrier(self) -> None:
         _dist.barrier()
 
-    def close(self) -> None:
+    # ------------------------------------------------------------ the user's training loop
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Any = None) -> tuple[Any, Any]:
+        """The model on this rank's device under the spec's strategy (DDP with distributed.ddp, DeepSpeed,
+        or bare for one rank), BatchNorm synced per distributed.sync_batchnorm, the precision of
+        train.precision; registered for ctx.save/ctx.resume. Returns (model, optimizer) to use from
+        now on: the DDP wrapper or DeepSpeed engine, and the optimizer (DeepSpeed's wrapper of it)."""
+        from hpcgpu.runtime.prepare import prepare
+
+        self.prepared = prepare(self, model, optimizer, scheduler)
+        return self.prepared.model, self.prepared.optimizer
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision for the forward pass and loss (a no-op in fp32, which CPU ranks use)."""
+        from hpcgpu.runtime.prepare import prepared_of
+
+        return prepared_of(self, "ctx.autocast").autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() through the fp16 GradScaler or the DeepSpeed engine."""
+        from hpcgpu.runtime.prepare import prepared_of
+
+        prepared_of(self, "ctx.backward").backward(loss)
+
+    def step(self) -> None:
+        """One optimizer step: gradients clipped to train.grad_clip (0: not clipped), the step (through
+        the scaler or the engine), zero_grad, then the scheduler's step."""
+        from hpcgpu.runtime.prepare import prepared_of
+
+        prepared_of(self, "ctx.step").step()
+
+    def data_loader(self, dataset: Sized, batch_size: int | None = None, *, shuffle: bool = True,
+                    drop_last: bool = False, seed: int | None = None, **options: Any) -> ResumableLoader:
+        """A DataLoader over this rank's share of a seeded per-epoch order (runtime/loader.py), saved
+        and resumed mid-epoch by ctx.save/ctx.resume. batch_size: per rank; None: train.global_batch_size
+        / world. seed: train.seed. Workers, pin_memory, prefetch_factor and persistent_workers follow
+        the recommendation for this machine; keyword arguments (any DataLoader's) win over it."""
+        from hpcgpu.runtime.loader import (ResumableLoader, cpus_per_rank, merged_options, per_rank_batch,
+                                           recommended_options)
+
+        spec = self.spec
+        if batch_size is None:
+            batch_size = per_rank_batch(spec.train.global_batch_size if spec else None, self.world_size)
+        cpus = cpus_per_rank(spec.resources.cpus_per_gpu if spec else None, self.env.local_world_size)
+        loader = ResumableLoader(dataset, batch_size=batch_size, rank=self.rank, world=self.world_size,
+                                 seed=(spec.train.seed if spec else 0) if seed is None else seed, shuffle=shuffle,
+                                 drop_last=drop_last,
+                                 options=merged_options(recommended_options(cpus, self.device.type == "cuda"), options))
+        if self.loader_states:  # ctx.resume ran before this loader was made
+            loader.load_state_dict(self.loader_states.pop(0))
+        self.loaders.append(loader)
+        return loader
+
+    def save(self, step: int) -> None:
+        """Collective: a checkpoint at `step` (checkpoint.async: in the background) of the model,
+        optimizer, scheduler, every RNG and every ctx.data_loader's position."""
+        from hpcgpu.runtime.prepare import save
+
+        save(self, step)
+
+    def resume(self) -> int:
+        """Collective: restore the newest complete checkpoint; returns its step, or 0 without one."""
+        from hpcgpu.runtime.prepare import resume
+
+        return resume(self)
+
+    def stop(self, step: int) -> int:
+        """After should_stop(): checkpoint at `step`, requeue under SLURM (rank 0, within
+        slurm.max_requeues); returns 75, the exit code of a stopped run, for the entry to return."""
+        from hpcgpu.runtime.prepare import stop
+
+        return stop(self, step)
+
+    @property
+    def metrics(self) -> MetricsWriter:
+        """<run dir>/metrics.jsonl (rank 0 writes; elsewhere a no-op): `ctx.metrics.write("train",
+        step=..., loss=...)` is what `hpcgpu status` and `hpcgpu report` show."""
+        if self._metrics is None:
+            from hpcgpu.runtime.metrics import MetricsWriter
+
+            self._metrics = MetricsWriter(RunPaths(self.run_dir).metrics, enabled=self.is_main)
+        return self._metrics
+
+    def close(self, finish_saves: bool = True) -> None:
+        """finish_saves: wait for a background checkpoint (collective); not when leaving on an error."""
         if not self._closed:
             self._closed = True
+            if finish_saves and self.checkpoint is not None:
+                self.checkpoint.close()
+            if self._metrics is not None:
+                self._metrics.close()
+            # the DDP wrapper (its reducer holds the process group) goes with the gc.collect() below
+            self.prepared = None
+            self.loaders.clear()
             self.stop_flag.restore()
             reset_cpu_group()
             _dist.reset_coordination_group()
@@ -76,8 +186,8 @@ class Context:
     def __enter__(self) -> "Context":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(finish_saves=exc_type is None)
 
 
 def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, Path | None]:

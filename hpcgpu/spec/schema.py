@@ -153,6 +153,10 @@ class Distributed:
     ddp: Ddp = field(default_factory=Ddp, metadata=meta("DistributedDataParallel settings (strategy ddp)"))
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed, metadata=meta("DeepSpeed settings"))
     nccl: Nccl = field(default_factory=Nccl, metadata=meta("NCCL settings exported before init"))
+    sync_batchnorm: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
+        "ctx.prepare turns BatchNorm layers into SyncBatchNorm (statistics over every rank's batch); "
+        "auto: when the model has BatchNorm and several GPU ranks. CPU ranks keep plain BatchNorm "
+        "(torch's SyncBatchNorm runs on GPUs only)"))
 
 
 @dataclass(frozen=True)
