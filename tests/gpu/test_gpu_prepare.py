@@ -24,7 +24,8 @@ def batch():
     g = torch.Generator().manual_seed(1)
     return torch.randn(16, 3, 12, 12, generator=g) * 3 + 1
 def main(ctx):
-    net, opt = ctx.prepare(model(), torch.optim.SGD(model().parameters(), lr=0.0))
+    m = model()
+    net, opt = ctx.prepare(m, torch.optim.SGD(m.parameters(), lr=0.0))
     half = batch()[ctx.rank * 8:(ctx.rank + 1) * 8].to(ctx.device)
     net.train()
     net(half)
