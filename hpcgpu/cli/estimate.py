@@ -2,6 +2,10 @@
 per GPU of a model copy by weight format (float32, bfloat16, int8, int4) and gpus_per_replica (1, 2,
 4, 8) with the KV cache of the batch, and the gpus_per_replica submit would choose.
 
+For task: train the rows follow train.gradient_checkpointing: without it (false), with it (true, rows
+named `+ckpt`: each layer's input kept, one layer's activations recomputed; see gpu/estimate.py), or
+without it plus `ckpt` columns with it (auto: the run plan tries each strategy without, then with it).
+
 Parameters are counted on the meta device (torch + transformers, imported here only: no weights are
 loaded, no GPU is needed). The memory model is in hpcgpu/gpu/estimate.py.
 """
@@ -18,35 +22,62 @@ from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import smallest_gpu
 from hpcgpu.gpu.estimate import (INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES, WEIGHTS_SHARE, GiB,
-                                 InferDims, MaxMemory, ModelDims, count_params, dims_from_config, estimate, fits,
+                                 InferDims, MaxMemory, ModelDims, Strategy, count_params, dims_from_config, estimate, fits,
                                  fewest_gpus_per_replica, fmt_bytes, infer_dims, infer_split_estimate,
                                  infer_split_max_batch, max_micro_batch, offloaded_bytes, parse_max_memory,
-                                 parse_size, replica_fits, spec_weights_format, usable_bytes, weight_bytes)
+                                 parse_size, replica_fits, spec_weights_format, usable_bytes, weight_bytes,
+                                 with_checkpointing)
+from hpcgpu.gpu.recommend import Checkpointing
 from hpcgpu.gpu.source import default_source
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.runtime.plan import INFER_BATCH_CAP
 from hpcgpu.spec import Spec, load_spec
 
 
-def rows(d: ModelDims, micro: int, world: int, gpu_total: int | None) -> list[dict[str, Any]]:
+def rows(d: ModelDims, micro: int, world: int, gpu_total: int | None,
+         checkpointing: Checkpointing = False) -> list[dict[str, Any]]:
+    """One row per strategy: with checkpointing true every row is the `+ckpt` variant; with auto the
+    plain rows carry the checkpointed figures as well (`checkpointed`), the run plan's second choice."""
     out = []
     for st in STRATEGIES:
-        e = estimate(d, st, micro, world)
-        out.append({"strategy": st.name, "zero_stage": st.zero_stage, "offload": st.offload,
-                    "weights": e.weights, "grads": e.grads, "optimizer": e.optimizer, "buffers": e.buffers,
-                    "activations": e.activations, "total": e.total, "host": e.host,
-                    "fits": fits(e, gpu_total) if gpu_total else None,
-                    "max_micro_batch": max_micro_batch(d, st, world, gpu_total) if gpu_total else None})
+        row = strategy_row(d, with_checkpointing(st) if checkpointing is True else st, micro, world, gpu_total)
+        if checkpointing == "auto":
+            ck = strategy_row(d, with_checkpointing(st), micro, world, gpu_total)
+            row["checkpointed"] = {k: ck[k] for k in ("activations", "total", "fits", "max_micro_batch")}
+        out.append(row)
     return out
+
+
+def strategy_row(d: ModelDims, st: Strategy, micro: int, world: int, gpu_total: int | None) -> dict[str, Any]:
+    e = estimate(d, st, micro, world)
+    return {"strategy": st.name, "zero_stage": st.zero_stage, "offload": st.offload,
+            "gradient_checkpointing": st.checkpointing,
+            "weights": e.weights, "grads": e.grads, "optimizer": e.optimizer, "buffers": e.buffers,
+            "activations": e.activations, "total": e.total, "host": e.host,
+            "fits": fits(e, gpu_total) if gpu_total else None,
+            "max_micro_batch": max_micro_batch(d, st, world, gpu_total) if gpu_total else None}
 
 
 def print_table(table: list[dict[str, Any]]) -> None:
     cols = ("weights", "grads", "optimizer", "buffers", "activations", "total", "host")
-    click.echo(f"  {'strategy':<18}" + "".join(f"{c:>12}" for c in cols) + f"{'fits':>6}{'max micro':>11}")
+    ckpt = any("checkpointed" in r for r in table)
+    click.echo(f"  {'strategy':<24}" + "".join(f"{c:>12}" for c in cols) + f"{'fits':>6}{'max micro':>11}"
+               + (f"{'ckpt act':>12}{'ckpt total':>12}{'ckpt max':>10}" if ckpt else ""))
     for r in table:
-        fit = "?" if r["fits"] is None else "yes" if r["fits"] else "no"
-        top = "-" if r["max_micro_batch"] is None else str(r["max_micro_batch"])
-        click.echo(f"  {r['strategy']:<18}" + "".join(f"{fmt_bytes(r[c]):>12}" for c in cols) + f"{fit:>6}{top:>11}")
+        line = f"  {r['strategy']:<24}" + "".join(f"{fmt_bytes(r[c]):>12}" for c in cols) + \
+            f"{fit_text(r['fits']):>6}{max_text(r['max_micro_batch']):>11}"
+        if "checkpointed" in r:
+            c = r["checkpointed"]
+            line += f"{fmt_bytes(c['activations']):>12}{fmt_bytes(c['total']):>12}{max_text(c['max_micro_batch']):>10}"
+        click.echo(line)
+
+
+def fit_text(value: bool | None) -> str:
+    return "?" if value is None else "yes" if value else "no"
+
+
+def max_text(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 @click.command()
@@ -78,7 +109,7 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
     world = spec.world_size
     rec = recommend_for_job(spec, n_params, cfg, gpu_total, world)
     micro = micro_batch or rec.micro_batch
-    table = rows(d, micro, world, gpu_total)
+    table = rows(d, micro, world, gpu_total, spec.train.gradient_checkpointing)
     if as_json:
         click.echo(json.dumps({"params": n_params, "dims": d.__dict__, "world": world, "micro_batch": micro,
                                "gpu_memory": gpu_total, "usable": usable_bytes(gpu_total) if gpu_total else None,
@@ -92,8 +123,11 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
         click.echo(f"GPU: {fmt_bytes(gpu_total)} ({gpu_what}), {fmt_bytes(usable_bytes(gpu_total))} usable "
                    "after the CUDA context and allocator slack")
     step = "compiled (train.compile)" if d.compiled else "eager (train.compile: false)"
-    click.echo(f"memory per GPU; activations of a {step} DDP step, DeepSpeed rows eager; host: RAM per rank "
-               "for offloaded states:")
+    ckpt = {True: "every row with gradient checkpointing (+ckpt)", False: "no gradient checkpointing",
+            "auto": "ckpt: the same with gradient checkpointing (auto tries it before the next strategy)"}[
+        spec.train.gradient_checkpointing]
+    click.echo(f"memory per GPU; activations of a {step} DDP step, DeepSpeed rows eager; {ckpt}; host: RAM "
+               "per rank for offloaded states:")
     print_table(table)
     if gpu_total:
         click.echo(f"recommended: {rec.summary()}" + ("" if rec.fits else " (DOES NOT FIT)"))

@@ -8,6 +8,7 @@ from hpcgpu.launch.checks import check_host
 from hpcgpu.launch.replicas import resolve_gpus_per_replica
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.spec import dump_spec
+from hpcgpu.spec.derive import fixed_max_steps
 
 
 @click.command()
@@ -32,7 +33,9 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
         t = spec.train
         click.echo(f"  model     {spec.model.name_or_path or (spec.model.config or {}).get('model_type')}")
         click.echo(f"  batch     {t.global_batch_size} sequences/step x {spec.data.seq_len} tokens, "
-                   f"micro batch {t.micro_batch_size}, {t.max_steps} steps")
+                   f"micro batch {t.micro_batch_size}, "
+                   + (f"{steps} steps" if (steps := fixed_max_steps(spec)) else
+                      f"{t.epochs} epoch(s) (the job derives the steps from the data)"))
     if spec.task == "command":
         click.echo(f"  command   {' '.join(spec.command or [])}")
     if spec.env_passthrough:

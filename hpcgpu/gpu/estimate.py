@@ -13,6 +13,12 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16,
   per layer  s*b*h*(34 + 5*a*s/h) bytes; the 5as/h term (the attention matrix) is gone with
              flash/SDPA attention, which never stores it
   logits     b*s*V*(2 + 4 + 4) bytes: bf16 logits, their fp32 copy, fp32 log-softmax (HF's loss)
+  gradient checkpointing (train.gradient_checkpointing; Korthikanti et al. 2022 section 4, "full
+             activation recomputation", after Chen et al. 2016): each layer keeps only its input,
+             s*b*h*c bytes per layer (c = 4 under DDP, whose residual stream stays fp32 with fp32
+             weights under autocast; 2 under DeepSpeed's bf16 weights, the paper's 2sbhL), plus the
+             activations of one layer, recomputed during its backward (the per-layer figure above);
+             the logits are not checkpointed (Hugging Face checkpoints the decoder blocks only)
   The 34 assumes fused kernels: it holds for the compiled step (torch.compile, the trainer's default on
   GPU). An eager Hugging Face block under autocast keeps far more: the residual stream and LayerNorm
   inputs in fp32, tanh-GELU's intermediates in fp32 (pow/tanh autocast to fp32), about 88 sbh counted
@@ -39,6 +45,8 @@ GiB = 1 << 30
 ACT_PER_LAYER = 34  # Korthikanti's sbh coefficient (fused kernels: a compiled step)
 ACT_PER_LAYER_EAGER = 90  # eager HF block under bf16 autocast (see above)
 ATTN_SCORES = 5  # the as^2b coefficient, only where attention scores are stored (eager attention)
+CKPT_INPUT_BYTES_DDP = 4  # a checkpointed layer's input: the fp32 residual stream (fp32 weights, autocast)
+CKPT_INPUT_BYTES_ZERO = 2  # bf16 weights under DeepSpeed: a bf16 residual stream
 LOGITS_BYTES = 2 + 4 + 4
 ZERO_BUCKET_ELEMS = 500_000_000  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 USABLE_FRACTION = 0.95  # allocator fragmentation
@@ -76,10 +84,26 @@ class Strategy:
     zero_stage: int | None  # None: DDP (or a single process)
     offload_optimizer: bool = False
     offload_params: bool = False
+    checkpointing: bool = False  # gradient checkpointing: layer inputs kept, activations recomputed
 
     @property
     def offload(self) -> str:
         return "params+optimizer" if self.offload_params else "optimizer" if self.offload_optimizer else "none"
+
+
+def plan_strategy(zero_stage: int | None, offload_optimizer: bool = False, offload_params: bool = False,
+                  checkpointing: bool = False) -> Strategy:
+    """The Strategy (row of `hpcgpu estimate`) a run plan's settings make."""
+    base = DDP if zero_stage is None else next(
+        (s for s in STRATEGIES if (s.zero_stage, s.offload_optimizer, s.offload_params) ==
+         (zero_stage, offload_optimizer, offload_params)),
+        Strategy(f"zero{zero_stage}", zero_stage, offload_optimizer, offload_params))
+    return with_checkpointing(base) if checkpointing else base
+
+
+def with_checkpointing(st: Strategy) -> Strategy:
+    """The same strategy with gradient checkpointing (named `<name>+ckpt`)."""
+    return Strategy(f"{st.name}+ckpt", st.zero_stage, st.offload_optimizer, st.offload_params, checkpointing=True)
 
 
 DDP = Strategy("ddp", None)
@@ -198,7 +222,11 @@ def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP) -> int:
     s, b, h = d.seq_len, micro, d.hidden
     coef = ACT_PER_LAYER if d.compiled and st.zero_stage is None else ACT_PER_LAYER_EAGER
     per_layer = s * b * h * coef + (0 if d.flash_attention else ATTN_SCORES * d.heads * s * s * b)
-    return d.n_layers * per_layer + b * s * d.vocab * LOGITS_BYTES
+    logits = b * s * d.vocab * LOGITS_BYTES
+    if st.checkpointing:  # inputs of every layer + one layer recomputed (module docstring)
+        kept = CKPT_INPUT_BYTES_DDP if st.zero_stage is None else CKPT_INPUT_BYTES_ZERO
+        return d.n_layers * s * b * h * kept + per_layer + logits
+    return d.n_layers * per_layer + logits
 
 
 def state_bytes(d: ModelDims, st: Strategy, world: int) -> tuple[int, int, int, int, int]:

@@ -8,6 +8,9 @@ Layout of <run dir>/checkpoints/:
         .metadata, __0_0.distcp ...   model + optimizer through torch.distributed.checkpoint (sharded)
         rank-0.pt, rank-1.pt  per-rank state: trainer position and every RNG state
     .step-00000040.tmp/       being written (or left by a kill): never resumed from
+    best/                     train.early_stopping: the best eval loss so far, the same contents and
+                              marker (with eval_loss), written under .best.tmp/ and renamed over the
+                              previous best only when complete; never pruned, never resumed from
 
 Resume takes the newest complete folder; one that fails to load is reported and the one before it is
 used. Pruning keeps the newest `keep` complete folders and never deletes the newest.
@@ -37,6 +40,7 @@ log = logging.getLogger("hpcgpu")
 MARKER = COMPLETE_MARKER
 SPEC_NAME = "spec.yaml"
 STEP_RE = re.compile(r"^step-(\d+)$")
+BEST_NAME = "best"
 
 
 def step_dir_name(step: int) -> str:
@@ -65,6 +69,15 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 def read_marker(path: Path) -> dict[str, Any]:
     return json.loads((path / MARKER).read_text())
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """checkpoints/best/ when complete; else the previous best a crash left between the two renames of
+    _install (.best.old/, complete), so a best model once saved is never lost."""
+    for path in (root / BEST_NAME, root / f".{BEST_NAME}.old"):
+        if (path / MARKER).is_file():
+            return path
+    return None
 
 
 def _dist_on() -> bool:
@@ -230,7 +243,7 @@ class CheckpointManager:
         else:
             payload.write(tmp)
             _kill_drill(step)
-            self._finalize(tmp, step, meta)
+            self._finalize(tmp, step_dir_name(step), meta)
         self.last_blocking_s = time.perf_counter() - t0
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
@@ -264,9 +277,37 @@ class CheckpointManager:
         fut, tmp, step, meta = self._pending
         self._pending = None
         fut.result()
-        self._finalize(tmp, step, meta)
+        self._finalize(tmp, step_dir_name(step), meta)
 
-    def _finalize(self, tmp: Path, step: int, meta: dict[str, Any]) -> None:
+    def save_best(self, payload: Payload | dict[str, Any], rank_state: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Collective, blocking: checkpoints/best/ (early stopping's best model so far), written under
+        .best.tmp/ and renamed over the previous best once complete. The step checkpoints' rotation
+        never sees it: prune() and resume match step-N names only."""
+        self.finish_pending()
+        payload = as_payload(payload)
+        tmp = self.root / f".{BEST_NAME}.tmp"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a kill
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
+        payload.write(tmp)
+        self._finalize(tmp, BEST_NAME, dict(meta, world_size=self.world_size, time=time.time()), prune=False)
+
+    def load_best(self, payload: Payload | dict[str, Any]) -> dict[str, Any] | None:
+        """Collective: load checkpoints/best/ into `payload`; its rank state, or None where there is none
+        or it fails to load on some rank (reported)."""
+        path = best_checkpoint(self.root)
+        if not _all_ok(path is not None) or path is None:
+            return None
+        ok, rank_state, why = self._try_load(path, as_payload(payload))
+        if not _all_ok(ok):
+            log.warning(f"checkpoint {path.name} could not be loaded ({why or 'failed on another rank'})")
+            return None
+        return rank_state
+
+    def _finalize(self, tmp: Path, name: str, meta: dict[str, Any], prune: bool = True) -> None:
         self._barrier()  # every rank's shards are on disk
         if self.rank == 0:
             if self.spec_text is not None:
@@ -276,13 +317,11 @@ class CheckpointManager:
             marker = tmp / MARKER
             marker.write_text(json.dumps(meta) + "\n")
             _fsync_dir(tmp)
-            final = self.root / step_dir_name(step)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
+            final = self.root / name
+            _install(tmp, final)
             log.info(f"checkpoint {final.name} saved")
-            self.prune()
+            if prune:
+                self.prune()
         self._barrier()
 
     def prune(self) -> None:
@@ -335,6 +374,20 @@ class CheckpointManager:
         if self._stager:
             self._stager.release()
         self._stager = None
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename a complete `tmp` to `final`. A folder there already (a best being replaced) is moved
+    aside first and removed last: at every moment one complete copy exists (best_checkpoint)."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _first_line(exc: BaseException) -> str:

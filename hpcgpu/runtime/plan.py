@@ -1,8 +1,9 @@
 """The run plan: every setting derived for this job, decided once, recorded, reused on resume.
 
-From (spec, the real world size, the device, the GPU memory agreed over the ranks) the job decides
-world size, batch per rank, micro batch, accumulation, strategy (and ZeRO stage and offload),
-precision, compile and loader workers, with the reason. Below the plan nothing re-derives them and
+From (spec, the real world size, the device, the GPU memory agreed over the ranks, the training
+data's sequence count) the job decides world size, batch per rank, micro batch, accumulation,
+strategy (and ZeRO stage and offload), gradient checkpointing, precision, compile, loader workers
+and the step count (train.epochs: epochs x sequences // global batch), with the reason. Below the plan nothing re-derives them and
 nothing rewrites the spec: the trainer, the data schedule, the DeepSpeed config and the metrics read
 the plan only.
 
@@ -10,6 +11,11 @@ The plan is written to `<run dir>/plan.json` (rank 0, atomically) before the fir
 `spec.yaml` in every checkpoint. A resumed job reuses the recorded plan: a requeue onto other GPUs
 never switches DDP <-> DeepSpeed nor changes the micro batch. A recorded plan the new allocation
 cannot honour (another world size, a changed global batch) is one clear error naming both.
+
+One change after the start: an out-of-memory error in the first step with micro_batch_size: auto
+halves the micro batch (halved_micro; the global batch stays, through accumulation) and the plan is
+rewritten with `oom_halvings` counted up. A resume takes such a plan.json over the older copy in the
+newest checkpoint (recorded_plan), so a requeued job does not run out of memory again.
 
 Task-specific settings live in a sub-block (`train`, `infer`), so the top level stays what every task
 shares. No torch at import time.
@@ -32,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.spec import Spec
-from hpcgpu.spec.derive import batch_split
+from hpcgpu.spec.derive import batch_split, fixed_max_steps
 
 if TYPE_CHECKING:
     from hpcgpu.runtime.context import Context
@@ -63,6 +69,11 @@ class TrainPlan:
     loader_workers: int = 0
     bytes_per_gpu: int | None = None  # the memory estimate, where GPU memory was gone by
     fits: bool | None = None  # None: not estimated
+    max_steps: int = 0  # optimizer steps of the run (0: a plan of an older hpcgpu; filled in on reuse)
+    epochs: int | None = None  # train.epochs, where the steps were derived from it
+    steps_per_epoch: int | None = None  # sequences // global batch (an epoch's remainder is skipped)
+    gradient_checkpointing: bool = False
+    oom_halvings: int = 0  # times an out-of-memory error in the first step halved the micro batch
 
     @property
     def tokens_per_step(self) -> int:
@@ -133,9 +144,11 @@ class RunPlan:
         parts = [f"{self.world_size} rank(s)", self.precision]
         if self.train is not None:
             t = self.train
-            parts = [t.how(), f"global batch {t.global_batch} = micro {t.micro_batch} x accum {t.accum} x "
-                     f"{self.world_size} rank(s)", self.precision, "compiled" if t.compile else "not compiled",
-                     f"{t.loader_workers} loader workers"]
+            steps = f"{t.max_steps} steps" + (f" ({t.epochs} epochs of {t.steps_per_epoch})" if t.epochs else "")
+            parts = [t.how() + (" + gradient checkpointing" if t.gradient_checkpointing else ""),
+                     f"global batch {t.global_batch} = micro {t.micro_batch} x accum {t.accum} x "
+                     f"{self.world_size} rank(s)", steps, self.precision,
+                     "compiled" if t.compile else "not compiled", f"{t.loader_workers} loader workers"]
         if self.infer is not None:
             parts = [self.infer.how(), self.precision]
         return ", ".join(parts)
@@ -199,18 +212,36 @@ def ranks_of_job(spec: Spec, world: int) -> str:
     return f"world size of this job; the spec asks for {asked}" if asked != world else "world size of this job"
 
 
+def train_steps(spec: Spec, num_sequences: int | None) -> tuple[int, int | None]:
+    """(max_steps, steps per epoch): train.max_steps as given, or train.epochs x (sequences // global
+    batch), as many global batches as BatchSchedule takes from an epoch before it skips the remainder."""
+    t = spec.train
+    if t.epochs is None:
+        return fixed_max_steps(spec), None
+    if num_sequences is None:
+        raise ValueError("train_steps: train.epochs needs the training data's sequence count")
+    per_epoch = num_sequences // t.global_batch_size
+    if per_epoch < 1:
+        raise HpcgpuError(f"train.epochs: data.train has {num_sequences} sequences, fewer than one global batch "
+                          f"({t.global_batch_size}); use more data or a smaller train.global_batch_size")
+    return t.epochs * per_epoch, per_epoch
+
+
 def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | None, bf16_supported: bool,
-               count_model: Callable[[], tuple[int | None, Any]] | None = None) -> RunPlan:
+               count_model: Callable[[], tuple[int | None, Any]] | None = None,
+               num_sequences: int | None = None) -> RunPlan:
     """The plan of a fresh `task: train` job. gpu_memory: the smallest GPU's total bytes over the ranks
-    (None on CPU); with it, an `auto` micro batch or strategy comes from the memory estimate, for
-    which count_model() gives (parameter count, model config). Without it: the CPU rule."""
+    (None on CPU); with it, an `auto` micro batch, strategy or gradient checkpointing comes from the
+    memory estimate, for which count_model() gives (parameter count, model config). Without it: the
+    CPU rule. num_sequences: data.train's sequence count (needed for train.epochs)."""
     from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 
     t = spec.train
     ranks = ranks_of_job(spec, world)
     fixed = fixed_strategy(spec, world)
     compiled = compiled_step(spec, on_gpu=device_type == "cuda")
-    auto = t.micro_batch_size == "auto" or fixed is None
+    auto = t.micro_batch_size == "auto" or fixed is None or t.gradient_checkpointing == "auto"
+    max_steps, per_epoch = train_steps(spec, num_sequences)
     if auto and gpu_memory is not None:
         if count_model is None:
             raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
@@ -240,7 +271,8 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         micro_batch=rec.micro_batch, accum=accum, strategy=strategy, zero_stage=stage,
         offload_optimizer=off_opt, offload_params=off_params, compile=compiled and strategy != "deepspeed",
         loader_workers=rec.workers, bytes_per_gpu=rec.bytes_per_gpu if estimated else None,
-        fits=rec.fits if estimated else None)
+        fits=rec.fits if estimated else None, max_steps=max_steps, epochs=t.epochs, steps_per_epoch=per_epoch,
+        gradient_checkpointing=rec.checkpointing)
     return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
                    reason=reason, gpu_memory=gpu_memory, train=train)
 
@@ -272,6 +304,11 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
     if mb != "auto" and mb != t.micro_batch:
         raise refuse("micro batch", t.micro_batch, f"the spec now fixes train.micro_batch_size: {mb}",
                      f"use {t.micro_batch} or auto")
+    _check_recorded_steps(t, spec, refuse)
+    gc = spec.train.gradient_checkpointing
+    if gc != "auto" and gc != t.gradient_checkpointing:
+        raise refuse("train.gradient_checkpointing", str(t.gradient_checkpointing).lower(),
+                     f"the spec now fixes {str(gc).lower()}", "use auto or the recorded setting")
     fixed = fixed_strategy(spec, world)
     ds = spec.distributed.deepspeed
     if fixed is not None and (fixed != t.strategy or fixed == "deepspeed" and (
@@ -281,6 +318,42 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
             f"deepspeed ZeRO-{ds.zero_stage}" + (" offload optimizer" if ds.offload_optimizer else "")
             + (" offload params" if ds.offload_params else ""))
         raise refuse("strategy", t.how(), f"the spec now fixes {now}", f"use distributed.strategy: auto or {t.how()}")
+
+
+def _check_recorded_steps(t: TrainPlan, spec: Spec, refuse: Callable[..., HpcgpuError]) -> None:
+    """The step count is the plan's once decided; a spec that now says another is refused."""
+    s = spec.train
+    if not t.max_steps:  # a plan of an older hpcgpu: settle_plan fills it in from the spec
+        return
+    if s.epochs is not None and s.epochs != t.epochs:
+        raise refuse("train.epochs", t.epochs, f"the spec now says {s.epochs}", f"set it back to {t.epochs}")
+    if s.epochs is None and fixed_max_steps(spec) != t.max_steps:
+        raise refuse("max_steps", t.max_steps, f"the spec now says {fixed_max_steps(spec)}",
+                     f"set train.max_steps back to {t.max_steps}")
+
+
+def halved_micro(plan: RunPlan, why: str) -> RunPlan | None:
+    """The plan after an out-of-memory error at its micro batch: the largest micro batch that divides
+    the batch per rank and is at most half of it, the accumulation making up the global batch; None
+    where the micro batch is 1 already."""
+    t = plan.training
+    smaller = [m for m in range(1, t.micro_batch // 2 + 1) if t.batch_per_rank % m == 0]
+    if not smaller:
+        return None
+    micro = max(smaller)
+    train = dataclasses.replace(t, micro_batch=micro, accum=t.batch_per_rank // micro, oom_halvings=t.oom_halvings + 1)
+    return dataclasses.replace(plan, train=train,
+                               reason=f"{plan.reason}; {why}: micro batch {t.micro_batch} -> {micro}")
+
+
+def is_oom_successor(newer: RunPlan, older: RunPlan) -> bool:
+    """`newer` is `older` after out-of-memory fallbacks (only the micro batch, accumulation and reason
+    differ, and it was halved more often): resuming older's checkpoint under it is the same training."""
+    if newer.train is None or older.train is None or newer.train.oom_halvings <= older.train.oom_halvings:
+        return False
+    same = dataclasses.replace(newer.train, micro_batch=older.train.micro_batch, accum=older.train.accum,
+                               oom_halvings=older.train.oom_halvings)
+    return dataclasses.replace(newer, train=same, reason=older.reason) == older
 
 
 # ---------------------------------------------------------------- task: infer (pure)
@@ -401,10 +474,13 @@ def recorded_plan(paths: RunPaths) -> tuple[RunPlan, Path] | None:
     from hpcgpu.runtime.checkpoint import complete_checkpoints
 
     done = complete_checkpoints(paths.checkpoints)
-    for path in ([done[-1] / PLAN_FILE] if done else []) + [paths.plan]:
-        if path.is_file():
-            return read_plan(path), path
-    return None
+    found = [(read_plan(path), path) for path in ([done[-1] / PLAN_FILE] if done else []) + [paths.plan]
+             if path.is_file()]
+    if not found:
+        return None
+    if len(found) == 2 and is_oom_successor(found[1][0], found[0][0]):
+        return found[1]  # the micro batch was halved after that checkpoint: do not run out of memory again
+    return found[0]
 
 
 def write_plan(path: Path, plan: RunPlan) -> None:
@@ -440,14 +516,19 @@ def gpu_memory_reading(device: Any, environ: Mapping[str, str] | None = None) ->
     return None
 
 
-def settle_plan(ctx: Context, spec: Spec, paths: RunPaths) -> RunPlan:
+def settle_plan(ctx: Context, spec: Spec, paths: RunPaths, num_sequences: int | None = None) -> RunPlan:
     """The plan of this job, decided once: the recorded one on a resume (checked against this job),
     else a fresh one. Every rank reads the same files and the agreed (smallest) GPU memory, so every
-    rank settles on the same plan. Collective where the GPU memory is agreed."""
+    rank settles on the same plan. Collective where the GPU memory is agreed. num_sequences: the
+    training data's sequence count (train.epochs)."""
     recorded = recorded_plan(paths)
     if recorded is not None:
         plan, source = recorded
         check_recorded(plan, source, spec, ctx.world_size)
+        if plan.train is not None and not plan.train.max_steps:  # recorded by an older hpcgpu
+            steps, per_epoch = train_steps(spec, num_sequences)
+            plan = dataclasses.replace(plan, train=dataclasses.replace(
+                plan.train, max_steps=steps, epochs=spec.train.epochs, steps_per_epoch=per_epoch))
         log.info(f"reusing the recorded plan from {source}: {plan.summary()} (decided at the first start: "
                  f"{plan.reason})")
         return plan
@@ -468,6 +549,6 @@ def settle_plan(ctx: Context, spec: Spec, paths: RunPaths) -> RunPlan:
         return count_params(spec)  # meta device: no weights
 
     plan = plan_train(spec, ctx.world_size, device_type=ctx.device.type, gpu_memory=agreed, bf16_supported=bf16,
-                      count_model=count_model)
+                      count_model=count_model, num_sequences=num_sequences)
     (log.warning if plan.training.fits is False else log.info)(f"run plan: {plan.summary()}; {plan.reason}")
     return plan

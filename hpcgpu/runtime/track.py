@@ -176,7 +176,6 @@ class Tracking:
         self.active = bool(self.openers)
         self.trackers: list[Tracker] = []
         self.every = (spec.track.every_steps or spec.train.log_every) if spec is not None else 1
-        self.max_steps = spec.train.max_steps if spec is not None else 0
         self.step = 0  # the latest step seen (train) or rows done (infer): where GPU samples go
         self.started = self.closed = False
         self.lock = threading.Lock()
@@ -221,7 +220,7 @@ class Tracking:
         with self.lock:
             if kind == "train":
                 self.step = int(fields["step"])
-                if self._thin(self.step):
+                if self._thin(self.step, fields.get("max_steps")):
                     self._log(self.step, pick(fields, TRAIN_FIELDS))
             elif kind == "eval":
                 self._log(int(fields["step"]), pick(fields, EVAL_FIELDS))
@@ -229,9 +228,10 @@ class Tracking:
                 self.step = int(fields["rows"])  # rows done: infer's steps
                 self._log(self.step, pick(fields, INFER_FIELDS))
 
-    def _thin(self, step: int) -> bool:
-        """track.every_steps: every Nth step, and the first and last, as the train loop logs."""
-        return step % self.every == 0 or step == 1 or step == self.max_steps
+    def _thin(self, step: int, max_steps: Any) -> bool:
+        """track.every_steps: every Nth step, and the first and last (the record carries the run plan's
+        max_steps: with train.epochs the spec has none), as the train loop logs."""
+        return step % self.every == 0 or step == 1 or step == max_steps
 
     def gpu_sample(self, records: list[dict[str, Any]]) -> None:
         """One GPU monitor sample (a record per GPU, as in gpu.jsonl), from the sampler thread. Samples

@@ -5,6 +5,16 @@ from hpcgpu.errors import SpecError
 from hpcgpu.spec.schema import Spec
 
 
+DEFAULT_MAX_STEPS = 100  # neither train.max_steps nor train.epochs given
+
+
+def fixed_max_steps(spec: Spec) -> int | None:
+    """The step count the spec fixes: train.max_steps, else the default; None with train.epochs (the
+    job's run plan derives it from the data)."""
+    t = spec.train
+    return None if t.epochs else (t.max_steps or DEFAULT_MAX_STEPS)
+
+
 def batch_split(global_batch: int, world: int, micro: int | None = None, *,
                 ranks: str = "nodes x gpus") -> tuple[int, int | None]:
     """(sequences per rank, accumulation steps) of `global_batch` over `world` ranks at micro batch

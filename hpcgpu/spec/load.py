@@ -261,6 +261,7 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
         if isinstance(value, str) and re.search(r"[\x00-\x1f]", value):
             raise lines.error(f"slurm.extra.{opt}", "must be one line without control characters")
     _check_batch(spec, lines)
+    _check_train_keys(spec, lines)
     _check_sweep(spec, lines)
 
 
@@ -288,6 +289,23 @@ def _check_batch(spec: Spec, lines: LineMap) -> None:
         batch_split(t.global_batch_size, spec.world_size, None if t.micro_batch_size == "auto" else t.micro_batch_size)
     except SpecError as exc:
         raise lines.error(exc.path, exc.message) from None
+
+
+def _check_train_keys(spec: Spec, lines: LineMap) -> None:
+    """How long to train is said once (max_steps or epochs); early stopping watches an eval loss, so it
+    needs eval data and evals during training."""
+    t = spec.train
+    if spec.task != "train":
+        return
+    if t.max_steps is not None and t.epochs is not None:
+        raise lines.error("train.epochs", f"give train.max_steps ({t.max_steps}) or train.epochs ({t.epochs}), "
+                          "not both")
+    if t.early_stopping is None:
+        return
+    if not spec.data.eval:
+        raise lines.error("train.early_stopping", "needs data.eval: the eval loss it watches comes from it")
+    if not t.eval_every:
+        raise lines.error("train.early_stopping", "needs train.eval_every (evals during training, e.g. 100)")
 
 
 def _check_sweep(spec: Spec, lines: LineMap) -> None:

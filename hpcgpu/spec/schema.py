@@ -193,11 +193,24 @@ class Data:
 
 
 @dataclass(frozen=True)
+class EarlyStopping:
+    metric: Literal["eval_loss"] = field(default="eval_loss", metadata=meta("the metric watched after each eval"))
+    patience: int = field(default=3, metadata=meta(
+        "evals in a row without improvement after which training stops", min=1))
+    min_delta: float = field(default=0.0, metadata=meta(
+        "an eval improves on the best so far only when lower by more than this", min=0))
+
+
+@dataclass(frozen=True)
 class Train:
     global_batch_size: int = field(default=8, metadata=meta("sequences per optimizer step, on all GPUs", min=1))
     micro_batch_size: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
         "sequences per GPU per forward pass; auto: the largest that divides the global batch", min=1))
-    max_steps: int = field(default=100, metadata=meta("optimizer steps", min=1))
+    max_steps: Optional[int] = field(default=None, metadata=meta(
+        "optimizer steps (give this or train.epochs; neither: 100)", min=1))
+    epochs: Optional[int] = field(default=None, metadata=meta(
+        "passes over data.train instead of max_steps: epochs x (sequences // global batch) steps, decided "
+        "in the run plan", min=1))
     lr: float = field(default=3e-4, metadata=meta("peak learning rate", min=0))
     min_lr_ratio: float = field(default=0.1, metadata=meta("final lr as a fraction of lr (cosine)", min=0, max=1))
     warmup_steps: int = field(default=10, metadata=meta("linear warmup steps", min=0))
@@ -210,6 +223,12 @@ class Train:
     log_every: int = field(default=1, metadata=meta("log every N steps", min=1))
     eval_every: int = field(default=0, metadata=meta("eval loss every N steps (0: only at the end)", min=0))
     eval_batches: int = field(default=4, metadata=meta("micro batches per eval", min=1))
+    gradient_checkpointing: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
+        "recompute each layer's activations in backward (about 30% more compute, far less activation "
+        "memory); auto: on only where the memory estimate needs it for the micro batch to fit"))
+    early_stopping: Optional[EarlyStopping] = field(default=None, metadata=meta(
+        "stop when the eval loss has not improved for `patience` evals; keeps the best model in "
+        "checkpoints/best/ (needs data.eval and train.eval_every)"))
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,36 @@ def test_deepspeed_spec_on_one_gpu(tmp_path):
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if '"train"' in line]
     assert train[-1]["loss"] < train[0]["loss"] and (run_dir / "model" / "model.safetensors").exists()
+
+
+def oom_spec(micro: int | str) -> dict:
+    """A 400M-parameter model at seq_len 1024: micro batch 256 needs about 400 GB of activations."""
+    spec = train_spec(1, steps=2)
+    spec["model"]["config"].update({"n_layer": 8, "n_head": 16, "n_embd": 2048, "n_positions": 1024})
+    spec["data"]["seq_len"] = 1024
+    spec["train"].update({"global_batch_size": 256, "micro_batch_size": micro, "compile": False,
+                          "warmup_steps": 1})
+    spec.pop("checkpoint")
+    return spec
+
+
+def test_a_micro_batch_that_does_not_fit_is_halved_until_it_does(tmp_path):
+    """micro_batch_size: auto, with HPCGPU_GPU_MEMORY claiming a huge card so that the plan picks 256:
+    the first step really runs out of memory, the micro batch is halved (recorded in plan.json) until
+    it fits, and the run finishes with the global batch it asked for."""
+    proc, run_dir = submit(oom_spec("auto"), tmp_path, env={"HPCGPU_GPU_MEMORY": "4000G"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())["train"]
+    assert plan["oom_halvings"] >= 1 and plan["micro_batch"] == 256 >> plan["oom_halvings"]
+    assert plan["micro_batch"] * plan["accum"] == 256
+    assert "out of memory in the first step on rank(s) 0 at micro batch 256" in proc.stdout + proc.stderr
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert [r["step"] for r in train] == [1, 2] and all(r["tokens"] == r["step"] * 256 * 1024 for r in train)
+
+
+def test_a_fixed_micro_batch_that_does_not_fit_is_one_line(tmp_path):
+    proc, _ = submit(oom_spec(256), tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if "train.micro_batch_size: 256 does not fit in GPU memory" in line]
+    assert len(lines) == 1 and lines[0].startswith("hpcgpu: error:") and "`hpcgpu estimate` puts" in lines[0], out

@@ -2,8 +2,22 @@
 
 The global batch (sequences per optimizer step) is fixed by the spec; micro batch x accumulation x
 world size always equals it, so a 1-rank and a 2-rank run follow the same loss curve. How it is split,
-the strategy, precision and compile are the run plan's (runtime/plan.py), settled once per start
-and reused on resume: everything here reads the plan.
+the strategy, gradient checkpointing, precision, compile and the step count (train.epochs) are the run
+plan's (runtime/plan.py), settled once per start and reused on resume: everything here reads the plan.
+
+Out of memory in the first step. The first optimizer step of every start (DDP or one rank; not
+DeepSpeed, not DDP static_graph) is guarded: each rank runs forward and backward of all its micro
+batches with DDP's gradient all-reduce held back (no_sync), then the ranks agree over the gloo
+coordination group whether any of them ran out of memory, and only then reduce the gradients (as DDP
+would: divided by the world size, summed) and step. So no rank ever waits in an NCCL collective for a
+rank that failed: an in-process retry is safe, with no job restart and no launcher involved. On an
+agreed out-of-memory error, with micro_batch_size: auto, every rank halves the micro batch (the
+accumulation keeps the global batch), the new plan is written to plan.json (and into the following
+checkpoints) and the step is retried on the same sequences with the RNG state it started with; with a
+fixed micro batch it is one error line naming the memory estimate (exit 2). Later steps are not
+guarded: after the first step every buffer (optimizer states, DDP buckets, compiled graphs) exists,
+and the shapes do not change. HPCGPU_OOM_AT_MICRO=N (a test and drill hook, like HPCGPU_SIGNAL_AT)
+raises torch.cuda.OutOfMemoryError in the training forward of any micro batch larger than N.
 """
 from __future__ import annotations
 
@@ -17,8 +31,9 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -34,12 +49,15 @@ from hpcgpu.runtime.data import (
 from hpcgpu.runtime.dist import any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
-from hpcgpu.runtime.plan import RunPlan, settle_plan, write_plan
+from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
+from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.strategy import ddp_options
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
+
+ENV_OOM_AT_MICRO = "HPCGPU_OOM_AT_MICRO"  # drill: a training forward of more sequences runs out of memory
 
 
 # ---------------------------------------------------------------- the run plan's dtypes
@@ -94,13 +112,40 @@ def flops_per_token(model: torch.nn.Module, seq_len: int, n: int | None = None) 
     return 6 * n + 12 * layers * heads * head_dim * seq_len
 
 
-def lr_lambda(spec: Spec):  # type: ignore[no-untyped-def]
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face's per-layer checkpointing, non-reentrant: it works under DDP (also with no_sync
+    and unused parameters) and under torch.compile, which the reentrant form does not."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise HpcgpuError(f"train.gradient_checkpointing: the {kind} model of transformers does not support "
+                          "gradient checkpointing; set it to false")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5's name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "config"):
+        model.config.use_cache = False  # a KV cache is useless in training and warns under checkpointing
+
+
+def oom_drill(limit: int) -> Callable[..., None]:
+    """A forward pre-hook for HPCGPU_OOM_AT_MICRO: the training forward of more than `limit` sequences
+    raises the error CUDA raises when an allocation fails (evaluation is left alone)."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        batch = kwargs.get("input_ids", args[0] if args else None)
+        if module.training and batch is not None and batch.shape[0] > limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory ({ENV_OOM_AT_MICRO}={limit}: a drill)")
+
+    return hook
+
+
+def lr_lambda(spec: Spec, max_steps: int):  # type: ignore[no-untyped-def]
     t = spec.train
 
     def factor(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
-        span = max(1, t.max_steps - t.warmup_steps)
+        span = max(1, max_steps - t.warmup_steps)
         progress = min(1.0, (step - t.warmup_steps) / span)
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -120,67 +165,79 @@ def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device,
     return torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=fused)
 
 
-# ---------------------------------------------------------------- RNG state (fixed keys)
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 # ---------------------------------------------------------------- the trainer
 
-class Trainer:
-    """Owns model, optimizer, scheduler, data position, step and RNG; Stateful for checkpoints."""
+@dataclass(frozen=True)
+class TrainData:
+    """The tokenizer and the seq_len blocks of data.train and data.eval, read before the run plan is
+    settled: train.epochs needs the sequence count."""
 
-    def __init__(self, ctx: Context, spec: Spec, plan: RunPlan):
+    tokenizer: Any
+    train: Blocks
+    eval: Blocks | None
+
+
+def load_train_data(spec: Spec) -> TrainData:
+    d = spec.data
+    tokenizer = load_tokenizer(spec.model.name_or_path)
+    train = load_blocks(d.train or "", tokenizer, d.seq_len, d.text_field, d.cache_dir, d.format, d.packing)
+    evals = load_blocks(d.eval, tokenizer, d.seq_len, d.text_field, d.cache_dir, d.format,
+                        d.packing) if d.eval else None
+    return TrainData(tokenizer, train, evals)
+
+
+class Trainer:
+    """Owns model, optimizer, scheduler, data position, step, RNG and early stopping; Stateful for
+    checkpoints."""
+
+    def __init__(self, ctx: Context, spec: Spec, plan: RunPlan, data: TrainData):
         self.ctx, self.spec, self.plan = ctx, spec, plan
         t = spec.train
         p = self.tp = plan.training
         self.world = plan.world_size
         self.device = ctx.device
         self.strategy = p.strategy
+        self.max_steps = p.max_steps
         self.micro, self.accum = p.micro_batch, p.accum
         self.amp_dtype = AMP_DTYPES[plan.precision]
-        self.tokenizer = load_tokenizer(spec.model.name_or_path)
-        d = spec.data
-        self.train_blocks = load_blocks(d.train or "", self.tokenizer, d.seq_len, d.text_field, d.cache_dir,
-                                        d.format, d.packing)
-        self.eval_blocks = load_blocks(d.eval, self.tokenizer, d.seq_len, d.text_field, d.cache_dir, d.format,
-                                       d.packing) if d.eval else None
-        self.schedule = BatchSchedule(len(self.train_blocks), t.seed, ctx.rank, global_batch=p.global_batch,
-                                      per_rank=p.batch_per_rank, micro=p.micro_batch)
+        self.tokenizer, self.train_blocks, self.eval_blocks = data.tokenizer, data.train, data.eval
+        self.schedule = self._schedule()
         self.ds = self._deepspeed_run()
         zero3 = self.ds is not None and self.ds.zero3
         on_gpu = self.device if self.device.type == "cuda" and not zero3 else None  # ZeRO-3 places it
         self.raw_model: Any = build_model(spec, t.seed, on_gpu)
         if self.ds is None:
             self.raw_model = self.raw_model.to(self.device)
+        if p.gradient_checkpointing:
+            enable_gradient_checkpointing(self.raw_model)
+        self._add_oom_drill()
         self._check_vocab()
         self.train_blocks = place_tokens(self.train_blocks, self.device)
         self.n_params = count_params(self.raw_model)
         self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len, self.n_params)
         self.optimizer = build_optimizer(self.raw_model, spec, self.device, offload=self._offloads())
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec, self.max_steps))
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
         self.model: Any = self._wrap(self.raw_model)
         self.step = 0
         self.last_lr = spec.train.lr
         self.start_step = 0
         self.tokens_seen = 0
+        self.early = t.early_stopping
+        self.best_eval: float | None = None  # early stopping: the best eval loss so far, its step, and
+        self.best_step: int | None = None  # how many evals since then did not improve on it
+        self.evals_without_improvement = 0
+        # the first step of this start is guarded against running out of memory (module docstring)
+        self.guard_next_step = self.ds is None and not (self.strategy == "ddp" and spec.distributed.ddp.static_graph)
+        self.on_new_plan: Callable[[RunPlan], None] | None = None  # records a plan changed in the job
         torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs by rank, reproducibly
         random.seed(t.seed + ctx.rank)
         np.random.seed((t.seed + ctx.rank) % 2**32)
+
+    def _schedule(self) -> BatchSchedule:
+        p = self.tp
+        return BatchSchedule(len(self.train_blocks), self.spec.train.seed, self.ctx.rank,
+                             global_batch=p.global_batch, per_rank=p.batch_per_rank, micro=p.micro_batch)
 
     def _deepspeed_run(self) -> Any:
         if self.strategy != "deepspeed":
@@ -194,6 +251,11 @@ class Trainer:
 
     def _offloads(self) -> bool:
         return self.ds is not None and self.tp.offload_optimizer
+
+    def _add_oom_drill(self) -> None:
+        limit = os.environ.get(ENV_OOM_AT_MICRO, "")
+        if limit.isdigit():
+            self.raw_model.register_forward_pre_hook(oom_drill(int(limit)), with_kwargs=True)
 
     def _wrap(self, model: torch.nn.Module) -> Any:
         """DeepSpeed engine, or (compiled) DDP; the raw model stays reachable for saving."""
@@ -215,10 +277,23 @@ class Trainer:
             raise HpcgpuError(f"model vocab_size {vocab} is too small for the tokenizer (token id {top}); "
                               "use vocab_size >= 256 for the byte-level tokenizer")
 
+    def use_plan(self, plan: RunPlan) -> None:
+        """Take a plan changed in the job (a halved micro batch): the split and the schedule follow it;
+        the data position is kept."""
+        self.plan, self.tp = plan, plan.training
+        self.micro, self.accum = self.tp.micro_batch, self.tp.accum
+        position = self.schedule.state_dict()
+        self.schedule = self._schedule()
+        self.schedule.load_state_dict(position)
+        if self.on_new_plan is not None:
+            self.on_new_plan(plan)
+
     # -- Stateful
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.schedule.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "early_stopping": {"best_eval": self.best_eval, "best_step": self.best_step,
+                                   "evals_without_improvement": self.evals_without_improvement}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -226,6 +301,23 @@ class Trainer:
         self.schedule.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
+        early = state.get("early_stopping") or {}  # absent from checkpoints of an older hpcgpu
+        self.best_eval, self.best_step = early.get("best_eval"), early.get("best_step")
+        self.evals_without_improvement = int(early.get("evals_without_improvement", 0))
+
+    # -- early stopping
+    def judge_eval(self, loss: float) -> bool:
+        """Count an eval for early stopping; True when it is the best so far (by more than min_delta)."""
+        assert self.early is not None
+        if self.best_eval is None or loss < self.best_eval - self.early.min_delta:
+            self.best_eval, self.best_step, self.evals_without_improvement = loss, self.step, 0
+            return True
+        self.evals_without_improvement += 1
+        return False
+
+    @property
+    def patience_spent(self) -> bool:
+        return self.early is not None and self.evals_without_improvement >= self.early.patience
 
     # -- one optimizer step
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -249,6 +341,9 @@ class Trainer:
         micro_batches = self.schedule.next_micro_batches()
         if self.ds is not None:
             total = self._deepspeed_step(micro_batches)
+        elif self.guard_next_step:
+            total = self._guarded_step(torch.cat(micro_batches))
+            self.guard_next_step = False
         else:
             total = self._ddp_step(micro_batches)
         self.step += 1
@@ -264,6 +359,10 @@ class Trainer:
                 loss = self._micro_loss(idx) / len(micro_batches)
                 self.scaler.scale(loss).backward()
             total += loss.detach()
+        self._optimizer_step()
+        return total
+
+    def _optimizer_step(self) -> None:
         if self.spec.train.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.spec.train.grad_clip)
@@ -271,17 +370,126 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+    def _guarded_step(self, rows: torch.Tensor) -> torch.Tensor:
+        """The first step of a start: forward and backward without communication, an agreed
+        out-of-memory flag, then the gradient all-reduce and the optimizer step (module docstring).
+        `rows`: this rank's sequences of the global batch, the same on a retry."""
+        rng = rng_state(self.device)
+        group = coordination_group(self.device)
+        while True:
+            total, oom = self._local_backward(rows.split(self.micro))
+            flags = any_rank([oom and r == self.ctx.rank for r in range(self.world)], group)
+            if not any(flags):
+                break
+            self._after_oom([r for r, f in enumerate(flags) if f])
+            set_rng_state(rng, self.device)  # the retry draws what the failed attempt drew
+        self._reduce_gradients()
+        stepped = self._optimizer_step_or_oom()
+        failed = any_rank([not stepped and r == self.ctx.rank for r in range(self.world)], group)
+        if any(failed):
+            raise HpcgpuError(self._states_do_not_fit([r for r, f in enumerate(failed) if f]))
         return total
 
-    def _deepspeed_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """The engine accumulates, reduces, clips and steps (optimizer and scheduler) on the last one."""
+    def _local_backward(self, micro_batches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, bool]:
+        """Forward and backward of every micro batch with DDP's all-reduce held back; True on an
+        out-of-memory error (the step's tensors are freed before returning)."""
         total = torch.zeros((), device=self.device)
-        for idx in micro_batches:
-            loss = self._micro_loss(idx)
-            self.model.backward(loss)  # scaled by 1/accumulation inside the engine
-            self.model.step()
-            total += loss.detach().float() / len(micro_batches)
+        hold = self.model.no_sync() if self.strategy == "ddp" else contextlib.nullcontext()
+        if self.strategy == "ddp":
+            # no buffer broadcast in this step's forwards: it is a collective, and a rank that failed
+            # before it would leave the others waiting there (the buffers are equal since DDP's start)
+            self.model.require_forward_param_sync = False
+        try:
+            with hold:
+                for idx in micro_batches:
+                    loss = self._micro_loss(idx) / len(micro_batches)
+                    self.scaler.scale(loss).backward()
+                    total += loss.detach()
+        except torch.cuda.OutOfMemoryError as exc:
+            log.warning(f"rank {self.ctx.rank}: out of memory at micro batch {self.micro} in the first step: "
+                        f"{str(exc).splitlines()[0][:200]}")
+            return total, True  # the traceback and with it the step's activations go with this frame
+        return total, False
+
+    def _after_oom(self, ranks: list[int]) -> None:
+        """Free what the failed attempt left; with an auto micro batch take the halved plan, else one
+        error naming the estimate."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        where = f"rank(s) {', '.join(map(str, ranks))}"
+        if self.spec.train.micro_batch_size != "auto":
+            raise HpcgpuError(f"train.micro_batch_size: {self.micro} does not fit in GPU memory (out of memory "
+                              f"in the first step on {where}); {estimate_text(self.spec, self.plan)}; use "
+                              "micro_batch_size: auto (halved until it fits), a smaller one, "
+                              "train.gradient_checkpointing: true or distributed.strategy: deepspeed")
+        why = f"out of memory in the first step on {where}"
+        new = halved_micro(self.plan, why)
+        if new is None:
+            raise HpcgpuError(f"not even micro batch 1 fits in GPU memory ({why}); "
+                              f"{estimate_text(self.spec, self.plan)}; use train.gradient_checkpointing: true, "
+                              "distributed.strategy: deepspeed (ZeRO, offload) or a smaller data.seq_len")
+        old = self.micro
+        self.use_plan(new)
+        if self.ctx.is_main:
+            log.warning(f"{why} at micro batch {old}: micro batch {self.micro} x accum {self.accum} now "
+                        f"(global batch {self.tp.global_batch} kept), recorded in plan.json; retrying step "
+                        f"{self.step + 1} on the same sequences")
+
+    def _reduce_gradients(self) -> None:
+        """The all-reduce the guarded step held back, as DDP's reducer does it: each gradient divided by
+        the world size, then summed over the ranks."""
+        if self.strategy != "ddp":
+            return
+        for param in self.raw_model.parameters():
+            if param.grad is not None:
+                param.grad.div_(self.world)
+                dist.all_reduce(param.grad)
+
+    def _optimizer_step_or_oom(self) -> bool:
+        """The first optimizer step creates the optimizer states: False where they do not fit."""
+        try:
+            self._optimizer_step()
+        except torch.cuda.OutOfMemoryError:
+            return False
+        return True
+
+    def _states_do_not_fit(self, ranks: list[int]) -> str:
+        return (f"out of memory in the first optimizer step on rank(s) {', '.join(map(str, ranks))}: the model "
+                f"states (weights, gradients, optimizer) do not fit; {estimate_text(self.spec, self.plan)}; use "
+                "distributed.strategy: deepspeed (ZeRO shards them, offload moves them to host memory)")
+
+    def _deepspeed_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """The engine accumulates, reduces, clips and steps (optimizer and scheduler) on the last one.
+        Its collectives run inside forward and backward, so an out-of-memory error cannot be agreed on
+        first: in the first step it is one error line on the failing rank (the launcher stops the
+        others), with an auto micro batch after recording the halved one for the next start."""
+        total = torch.zeros((), device=self.device)
+        try:
+            for idx in micro_batches:
+                loss = self._micro_loss(idx)
+                self.model.backward(loss)  # scaled by 1/accumulation inside the engine
+                self.model.step()
+                total += loss.detach().float() / len(micro_batches)
+        except torch.cuda.OutOfMemoryError:
+            if self.step != self.start_step:
+                raise
+            raise HpcgpuError(self._deepspeed_oom_text()) from None
         return total
+
+    def _deepspeed_oom_text(self) -> str:
+        what = (f"out of memory in the first step on rank {self.ctx.rank} at micro batch {self.micro} under "
+                f"DeepSpeed; {estimate_text(self.spec, self.plan)}")
+        new = halved_micro(self.plan, f"out of memory in the first step on rank {self.ctx.rank}") \
+            if self.spec.train.micro_batch_size == "auto" else None
+        if new is None:
+            return what + "; use a smaller train.micro_batch_size or train.gradient_checkpointing: true"
+        if self.on_new_plan is not None:
+            self.on_new_plan(new)  # this rank writes it: rank 0 may be waiting in a collective
+        return what + (f"; micro batch {new.training.micro_batch} is recorded in plan.json: run the same command "
+                       "again to resume with it")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -302,6 +510,24 @@ class Trainer:
         if not losses:
             return None
         return mean_over_ranks(torch.stack(losses).mean())
+
+
+def estimate_text(spec: Spec, plan: RunPlan) -> str:
+    """What `hpcgpu estimate` says of this plan's strategy and micro batch, for the out-of-memory errors."""
+    from hpcgpu.gpu.estimate import count_params as counted, dims_from_config, estimate, fmt_bytes, \
+        max_micro_batch, plan_strategy, usable_bytes
+
+    t = plan.training
+    n_params, config = counted(spec)
+    d = dims_from_config(config, t.seq_len, n_params, t.compile)
+    st = plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing)
+    e = estimate(d, st, t.micro_batch, plan.world_size)
+    text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {fmt_bytes(e.total)} per GPU "
+            f"(activations {fmt_bytes(e.activations)})")
+    if plan.gpu_memory:
+        top = max_micro_batch(d, st, plan.world_size, plan.gpu_memory)
+        text += f" of {fmt_bytes(usable_bytes(plan.gpu_memory))} usable, the largest micro batch that fits {top}"
+    return text
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -415,8 +641,8 @@ class StepLog:
         lr = tr.last_lr
         peak_mem = torch.cuda.max_memory_allocated(tr.device) / 2**30 if tr.device.type == "cuda" else None
         self.metrics.write("train", step=tr.step, loss=loss, lr=lr, ms_per_step=ms, tokens_per_s=tok_s,
-                           tokens=tr.tokens_seen, mfu=mfu, peak_mem_gib=peak_mem, max_steps=tr.spec.train.max_steps)
-        msg = (f"step {tr.step:>6}/{tr.spec.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                           tokens=tr.tokens_seen, mfu=mfu, peak_mem_gib=peak_mem, max_steps=tr.max_steps)
+        msg = (f"step {tr.step:>6}/{tr.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                f"{ms:8.1f} ms/step | {tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
         if self.bar is not None:
             self.bar.write(msg)
@@ -442,9 +668,11 @@ def progress(total: int, initial: int, enabled: bool) -> Any:
 
 def describe(tr: Trainer) -> str:
     n, p = tr.n_params, tr.tp
+    steps = f"{p.max_steps} steps" + (f" = {p.epochs} epochs x {p.steps_per_epoch}" if p.epochs else "")
     return (f"model {n / 1e6:.2f}M params on {tr.device} x {tr.world} ({tr.strategy}); global batch "
             f"{p.global_batch} = micro {p.micro_batch} x accum {p.accum} x {tr.world} ranks; "
-            f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences"
+            f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences; {steps}"
+            + ("; gradient checkpointing" if p.gradient_checkpointing else "")
             + (f"; DDP {describe_ddp(ddp_options(tr.spec))}" if tr.strategy == "ddp" else ""))
 
 
@@ -454,21 +682,22 @@ def describe_ddp(options: dict[str, Any]) -> str:
 
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
-    """Run until max_steps or an agreed stop; returns 'finished' or 'stopped'."""
+    """Run until the plan's max_steps, an agreed stop or early stopping; returns 'finished', 'stopped'
+    or 'early_stopped' (a finish too)."""
     t = tr.spec.train
     ckpt = ctx.checkpoint
-    bar = progress(t.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
+    bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
     steplog = StepLog(tr, metrics, bar)
     group = coordination_group(ctx.device)
     try:
-        while tr.step < t.max_steps:
+        while tr.step < tr.max_steps:
             loss_t = tr.train_step()
             inject_signal(ctx, tr)
             # every rank's flags, agreed on a gloo group in host memory: nothing here waits for the
             # GPU, so the launch queue stays full (the loss is read back only when it is logged)
             stop, time_due, async_busy = any_rank(
                 [ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()], group)
-            last = tr.step == t.max_steps
+            last = tr.step == tr.max_steps
             if tr.step % t.log_every == 0 or tr.step == 1 or last:
                 steplog.log(loss_t)
             if bar is not None:
@@ -476,12 +705,19 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
             if ckpt.pending and not async_busy:
                 with steplog.not_step_time():
                     ckpt.finish_pending()  # every rank's async write ended: mark it complete now
+            eval_due = bool(t.eval_every) and tr.step % t.eval_every == 0 and not last
+            # with early stopping a stop does not skip a due eval: it counts, and the resumed run
+            # must judge the evals the uninterrupted one would
+            if eval_due and (not stop or tr.early is not None):
+                with steplog.not_step_time():
+                    _eval(ctx, tr, metrics)
+                if tr.patience_spent:  # every rank judged the same all-reduced loss: no vote needed
+                    ckpt.finish_pending()
+                    early_stop(tr, metrics)
+                    return "early_stopped"
             if stop:
                 save_checkpoint(ctx, tr, blocking=True)
                 return "stopped"
-            if t.eval_every and tr.step % t.eval_every == 0 and not last:
-                with steplog.not_step_time():
-                    _log_eval(tr, metrics)
             if (ckpt.due_by_steps(tr.step) or time_due) and not last:
                 with steplog.not_step_time():
                     save_checkpoint(ctx, tr)
@@ -489,15 +725,51 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
         if bar is not None:
             bar.close()
     ckpt.finish_pending()
-    _log_eval(tr, metrics)
+    _eval(ctx, tr, metrics)
     return "finished"
 
 
-def _log_eval(tr: Trainer, metrics: MetricsWriter) -> None:
+def _eval(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> None:
+    """Eval loss, logged; with early stopping it is judged, and a new best is saved to checkpoints/best/."""
     loss = tr.evaluate()
-    if loss is not None:
-        metrics.write("eval", step=tr.step, loss=loss, tokens=tr.tokens_seen)
-        log.info(f"step {tr.step:>6} | eval loss {loss:.4f}")
+    if loss is None:
+        return
+    metrics.write("eval", step=tr.step, loss=loss, tokens=tr.tokens_seen)
+    log.info(f"step {tr.step:>6} | eval loss {loss:.4f}")
+    if tr.early is not None and tr.judge_eval(loss):
+        save_best(ctx, tr, loss)
+
+
+def save_best(ctx: Context, tr: Trainer, loss: float) -> None:
+    rank_state = {"trainer": tr.state_dict(), "rng": rng_state(tr.device)}
+    ctx.checkpoint.save_best(checkpoint_payload(tr), rank_state,
+                             {"step": tr.step, "eval_loss": loss, "tokens": tr.tokens_seen})
+    log.info(f"step {tr.step:>6} | best eval loss so far: checkpoints/best/")
+
+
+def early_stop(tr: Trainer, metrics: MetricsWriter) -> None:
+    assert tr.early is not None and tr.best_eval is not None
+    es = tr.early
+    metrics.write("early_stop", step=tr.step, best_step=tr.best_step, best_eval_loss=tr.best_eval,
+                  patience=es.patience, min_delta=es.min_delta, max_steps=tr.max_steps)
+    log.info(f"early stopping at step {tr.step} of {tr.max_steps}: the eval loss has not improved on "
+             f"{tr.best_eval:.4f} (step {tr.best_step}) by more than {es.min_delta:g} in {es.patience} eval(s)")
+
+
+def restore_best(ctx: Context, tr: Trainer) -> None:
+    """With early stopping the final model is the best one: its weights are loaded from checkpoints/best/
+    unless the last eval was the best. Collective."""
+    if tr.early is None or tr.best_step is None or tr.best_step == tr.step:
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    payload = checkpoint_payload(tr)
+    if ctx.checkpoint.load_best(payload) is None:
+        log.warning("checkpoints/best/ could not be loaded: the final model is the last one, not the best")
+        return
+    if tr.ds is None:
+        set_model_state_dict(tr.raw_model, payload["model"])
+    log.info(f"the final model is the best one: step {tr.best_step}, eval loss {tr.best_eval:.4f}")
 
 
 def save_final_model(ctx: Context, tr: Trainer) -> Path:
@@ -537,16 +809,33 @@ def set_cpu_threads() -> None:
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
 
 
-def start_plan(ctx: Context, spec: Spec, paths: RunPaths) -> RunPlan:
+def start_plan(ctx: Context, spec: Spec, paths: RunPaths, data: TrainData) -> RunPlan:
     """Settle the run plan (before the model is built: the strategy decides how it is built and
-    wrapped) and give a lone rank the group DeepSpeed needs, now that the plan chose it. A job of
-    several ranks has had its group since init(): the group starts exactly once either way."""
-    plan = settle_plan(ctx, spec, paths)
+    wrapped; after the data is read: train.epochs counts its sequences) and give a lone rank the
+    group DeepSpeed needs, now that the plan chose it. A job of several ranks has had its group since
+    init(): the group starts exactly once either way."""
+    plan = settle_plan(ctx, spec, paths, num_sequences=len(data.train))
     if plan.training.strategy == "deepspeed" and not ctx.env.distributed:
         init_process_group(ctx.env, spec, ctx.device, alone=True)
     ctx.plan = plan
     ctx.checkpoint.plan_text = plan.to_json()  # beside spec.yaml in every checkpoint
     return plan
+
+
+def plan_recorder(ctx: Context, paths: RunPaths, metrics: MetricsWriter) -> Callable[[RunPlan], None]:
+    """Records a plan the job changed (a micro batch halved after running out of memory): the context,
+    the following checkpoints and plan.json, so that a requeued job starts with it."""
+    def record(plan: RunPlan) -> None:
+        old = ctx.plan.training if ctx.plan is not None and ctx.plan.train is not None else None
+        ctx.plan = plan
+        ctx.checkpoint.plan_text = plan.to_json()
+        t = plan.training
+        if ctx.is_main or t.strategy == "deepspeed":  # under DeepSpeed the failing rank writes it
+            write_plan(paths.plan, plan)
+        metrics.write("oom", micro_batch=t.micro_batch, accum=t.accum, oom_halvings=t.oom_halvings,
+                      previous_micro_batch=old.micro_batch if old else None)
+
+    return record
 
 
 def record_plan(ctx: Context, plan: RunPlan, paths: RunPaths) -> None:
@@ -581,12 +870,14 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
         quiet_libraries(ctx)
-        plan = start_plan(ctx, spec, paths)
+        data = load_train_data(spec)
+        plan = start_plan(ctx, spec, paths, data)
         tracking = open_tracking(spec, paths, ctx.is_main)  # rank 0's TensorBoard / W&B, fed by metrics
         metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=tracking)
         tr: Trainer | None = None
         try:
-            tr = Trainer(ctx, spec, plan)
+            tr = Trainer(ctx, spec, plan, data)
+            tr.on_new_plan = plan_recorder(ctx, paths, metrics)
             log.info(describe(tr))
             resume(ctx, tr, metrics)
             tr.start_step = tr.step
@@ -602,9 +893,11 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
                 outcome = train_loop(ctx, tr, metrics)
             if outcome == "stopped":
                 return stop_run(ctx, spec, tr, metrics, "with a checkpoint")
+            restore_best(ctx, tr)
             save_final_model(ctx, tr)
             mark_finished(ctx.run_dir, ctx.env)
-            metrics.write("end", step=tr.step, tokens=tr.tokens_seen)
+            metrics.write("end", step=tr.step, tokens=tr.tokens_seen, max_steps=tr.max_steps,
+                          early_stopped=outcome == "early_stopped", best_step=tr.best_step)
         finally:
             ctx.checkpoint.close()
             metrics.close()
