@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from joblog import program_lines
+
 pytestmark = pytest.mark.slurm
 
 PRINT_SEED = ("import os, re; d = os.environ['HPCGPU_RUN_DIR']; "
@@ -47,5 +49,5 @@ def test_a_sweep_larger_than_max_array_size_is_split_and_every_task_runs(slurm):
     assert index == [str(d / "spec.yaml") for d in run_dirs]
     for task, run_dir, seed in zip(tasks, run_dirs, seeds):
         assert task["values"] == {"train.seed": seed}
-        assert slurm.hpcgpu("logs", task["id"]).stdout == f"0: value {seed}\n", task  # ran its own point
+        assert program_lines(slurm.hpcgpu("logs", task["id"]).stdout) == [f"0: value {seed}"], task  # its own point
         assert (run_dir / f"slurm-{task['id']}.out").exists()

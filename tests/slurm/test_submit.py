@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from joblog import program_lines
 from test_train_and_preempt import assert_same_weights, run_local, wait_settled
 
 pytestmark = pytest.mark.slurm
@@ -156,8 +157,8 @@ def test_sweep_is_one_array_with_a_run_dir_per_task(slurm):
         assert run_dir.name == str(i) and task["values"] == {"train.seed": int(seed)}
         assert (run_dir / "seed.txt").read_text() == seed
         assert "sweep: {}" in (run_dir / "spec.yaml").read_text()
-        assert slurm.hpcgpu("logs", task["id"]).stdout == f"0: task seed {seed}\n"  # srun --label
-        assert slurm.hpcgpu("logs", task["id"], "--rank", "0").stdout == f"task seed {seed}\n"
+        assert program_lines(slurm.hpcgpu("logs", task["id"]).stdout) == [f"0: task seed {seed}"]  # srun --label
+        assert program_lines(slurm.hpcgpu("logs", task["id"], "--rank", "0").stdout) == [f"task seed {seed}"]
     table = slurm.hpcgpu("status", job).stdout
     assert len(re.findall(rf"^{job}_\d\s+COMPLETED", table, re.M)) == 3, table
 

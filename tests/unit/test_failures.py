@@ -54,6 +54,22 @@ def test_a_command_job_stopped_before_its_program_starts_requeues_without_runnin
     assert not (tmp_path / "ran").exists()
 
 
+DIES_FIRST = ("import os, signal, subprocess\n"
+              "subprocess.Popen(['sh', '-c', 'sleep 0.3; kill -TERM %d' % os.getppid()])\n"
+              "os.kill(os.getpid(), signal.SIGTERM)\n")
+
+
+def test_a_program_that_dies_of_the_stop_signal_before_its_wrapper_sees_it_is_a_stop(tmp_path: Path) -> None:
+    """SLURM signals every process of the step; the program may die of its copy before the wrapper's
+    copy arrives. That is a stop (exit 75), not the program crashing with 143."""
+    spec = write_spec_file(tmp_path, {"name": "race", "task": "command", "resources": {"gpus": 1},
+                                      "command": [sys.executable, "-c", DIES_FIRST]})
+    proc = run_entrypoint(spec, HPCGPU_RUN_DIR=str(tmp_path))
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert "the program exited with code 143 after the stop signal" in proc.stdout
+    assert first_failure(tmp_path) is None  # nothing recorded as a crash
+
+
 def test_an_input_error_in_the_job_is_one_line_for_all_ranks(tmp_path: Path) -> None:
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()

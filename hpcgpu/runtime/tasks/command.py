@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -82,6 +83,8 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         with GpuMonitor(paths.run_dir, env.local_rank, spec.monitor.interval_s, node_rank=env.node_rank,
                         enabled=spec.monitor.enabled):
             code = proc.wait()
+        if code < 0 and -code in stops and not received:
+            wait_for_our_copy(received)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -99,6 +102,18 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
               flush=True)
     requeue(env, spec, reason)
     return EXIT_STOPPED
+
+
+OUR_COPY_WAIT_S = 2.0
+
+
+def wait_for_our_copy(received: list[int]) -> None:
+    """The program died of a stop signal we have not seen: SLURM signals every process of the step
+    (preemption, `scontrol requeue`, scancel), and the program may die of its copy before ours
+    arrives. Without this wait the exit would read as the program crashing on its own."""
+    deadline = time.monotonic() + OUR_COPY_WAIT_S
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def stop_before_start(spec: Spec, env: DistEnv) -> int:
