@@ -21,17 +21,23 @@ BUSY = ("import torch, time\n"
         "torch.cuda.synchronize()\n")
 
 
+def run_on_gpu_0(spec: dict, tmp_path: Path) -> Path:
+    """`hpcgpu submit --executor local` of `spec` on GPU 0 -> its run dir (the job must succeed)."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / spec["name"]).iterdir()
+    return run_dir
+
+
 def test_a_command_task_gets_its_gpu_monitored(tmp_path: Path) -> None:
     spec = {"name": "own", "task": "command", "runs_dir": str(tmp_path / "runs"),
             "resources": {"gpus": 1, "cpus_per_gpu": 2}, "monitor": {"interval_s": 0.2},
             "command": [sys.executable, "-c", BUSY]}
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs" / "own").iterdir()
+    run_dir = run_on_gpu_0(spec, tmp_path)
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert f"| GPU 0: {torch.cuda.get_device_name(0)}" in log and "| NCCL " in log
     samples = [json.loads(line) for line in (run_dir / "gpu.jsonl").read_text().splitlines()]
@@ -52,13 +58,7 @@ def test_the_trackers_receive_the_gpu_samples_of_a_train_job(tmp_path: Path) -> 
             "data": {"train": str(text), "seq_len": 256},
             "train": {"global_batch_size": 16, "max_steps": 40, "log_every": 5, "compile": False},
             "track": {"tensorboard": True}}
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
-    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new"],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs" / "tracked").iterdir()
+    run_dir = run_on_gpu_0(spec, tmp_path)
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     tags = events.Tags()["scalars"]
