@@ -10,6 +10,11 @@
 #   train:   one interleaved round of benchmarks/train_vs_loops.py (hpcgpu vs the minimal and the careful
 #            hand-written loops, 1 and 2 GPUs; 1,2,4 where 4+), pooled over calls in /tmp/tvl: run the
 #            phase 3 times on one warm machine for median and spread
+#   steps NAME...: named pieces, in the order given, each skipped once less than its estimate is left of
+#            the call's $CALL_BUDGET seconds (default 570): infer-throughput (3 rounds, plain vs hpcgpu,
+#            768 rows), infer-scaling (SCALING_ROUNDS rounds, pooled over calls in /tmp/ib), infer-tests,
+#            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
+#            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +25,40 @@ phase="${1:-1}"
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi -L | tee "$OUT/gpus.txt"
 step() { echo "=== $*"; "$@"; echo "=== exit $?"; }
+T0=$SECONDS
+fits() {  # fits SECONDS: is there that much left of this call's budget?
+  local left=$(( ${CALL_BUDGET:-570} - (SECONDS - T0) ))
+  [ "$1" -le "$left" ] && return 0
+  echo "=== skipped (needs ~$1 s, $left s left of the call)"; return 1
+}
+pytest_gpu() { python3 -m pytest -q -s -p no:cacheprovider -rs "$@" 2>&1 | grep -vE "Warning|warn\(" ; }
+run_step() {
+  local widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
+  case "$1" in
+    infer-throughput) fits 330 && step python3 benchmarks/infer_throughput.py --variants "plain,hpcgpu" --rows 768 \
+        --repeats 3 --work /tmp/ib --json "$OUT/infer_throughput.json" 2>&1 | tee "$OUT/infer_throughput.log" | tail -25 ;;
+    infer-scaling) fits $(( 170 * ${SCALING_ROUNDS:-1} )) && step python3 benchmarks/infer_throughput.py --scaling \
+        --gpus "$widths" --scaling-rows "${SCALING_ROWS:-2304}" --repeats "${SCALING_ROUNDS:-1}" --work /tmp/ib \
+        --append /tmp/ib/scaling.json --json "$OUT/infer_scaling.json" 2>&1 | tee -a "$OUT/infer_scaling.log" | tail -12 ;;
+    infer-tests) fits 120 && pytest_gpu tests/gpu/test_gpu_infer.py -k "two_replicas or split" \
+        | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
+    observe-tests) fits 90 && pytest_gpu tests/gpu/test_gpu_observe.py | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
+    own-model-tests) fits 180 && pytest_gpu tests/gpu/test_gpu_prepare.py tests/gpu/test_gpu_train.py \
+        tests/gpu/test_gpu_layer.py -k "sync_batchnorm or does_not_fit or gradient_checkpointing" \
+        | tee -a "$OUT/gpu_tests.log" | tail -20 ;;
+    dataparallel) fits 220 && step python3 benchmarks/dataparallel.py --gpus 2 --repeats 3 --modes one,dp 2>&1 \
+        | tee "$OUT/dataparallel.log" | tail -8 ;;
+    train-round) fits 200 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${BENCH_GPUS:-1,2}" \
+        --repeats 1 --work /tmp/tvl --append /tmp/tvl/rounds.json \
+        --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30 ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+if [ "$phase" = steps ]; then
+  shift
+  for s in "$@"; do run_step "$s"; done
+  exit 0
+fi
 if [ "$phase" = infer ] && [ "${INFER_SCALING:-0}" = 1 ]; then
   widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
   step python3 benchmarks/infer_throughput.py --scaling --gpus "$widths" --scaling-rows 1536 --repeats 3 --work /tmp/ib \

@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
     ap.add_argument("--compile-outer", action="store_true",
                     help="compile the DDP-wrapped module instead (DDPOptimizer splits the graph at buckets)")
+    ap.add_argument("--data-parallel", action="store_true",
+                    help="one process driving every visible GPU through nn.DataParallel (micro batch per GPU): "
+                         "what HF Trainer falls back to under plain `python` on a multi-GPU node")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                     help="autocast dtype; auto: bf16 on CUDA, fp32 on the CPU")
@@ -58,6 +61,8 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    if args.data_parallel and args.compile:
+        ap.error("--data-parallel needs --no-compile (DataParallel replicates the module every step)")
     return args
 
 
@@ -76,9 +81,13 @@ def main() -> None:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.compile and args.compile_outer:
         model = torch.compile(model)
+    replicas = 1
+    if args.data_parallel and device.type == "cuda":
+        replicas = torch.cuda.device_count()
+        model = torch.nn.DataParallel(model)  # scatters the batch, replicates the weights, gathers the losses
     opt = torch.optim.AdamW(raw.parameters(), lr=args.lr, fused=device.type == "cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed + 1 + rank)
-    x = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), device=device, generator=gen)
+    x = torch.randint(0, args.vocab, (args.micro_batch * replicas, args.seq_len), device=device, generator=gen)
     autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else contextlib.nullcontext
 
     def step() -> torch.Tensor:
@@ -86,7 +95,7 @@ def main() -> None:
             quiet = model.no_sync() if ddp and i < args.accum - 1 else contextlib.nullcontext()
             with quiet:
                 with autocast():
-                    loss = model(input_ids=x, labels=x).loss
+                    loss = model(input_ids=x, labels=x).loss.mean()  # DataParallel: one loss a GPU
                 (loss / args.accum if args.accum > 1 else loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -105,7 +114,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     final_loss = float(loss.detach().float().item())  # the only read-back of the loss
 
-    tokens = args.micro_batch * args.accum * args.seq_len * world * args.steps
+    gpus = world * replicas
+    tokens = args.micro_batch * args.accum * args.seq_len * gpus * args.steps
     tok_s = tokens / elapsed
     name, peak = peak_flops(args, device)
     fpt = flops_per_token(raw, args)
@@ -113,9 +123,10 @@ def main() -> None:
         print(json.dumps({
             "program": "minimal", "tokens_per_s": tok_s, "ms_per_step": 1000 * elapsed / args.steps,
             "timed_s": elapsed, "timed_steps": args.steps, "warmup_steps": args.warmup,
-            "mfu": tok_s * fpt / (peak * world) if peak else None, "flops_per_token": fpt, "peak_flops": peak,
+            "mfu": tok_s * fpt / (peak * gpus) if peak else None, "flops_per_token": fpt, "peak_flops": peak,
             "ttfs_s": step1_done - T_START, "step1_done_unix": step1_done, "process_start_unix": T_START,
-            "final_loss": final_loss, "params": sum(p.numel() for p in raw.parameters()), "world": world,
+            "final_loss": final_loss, "params": sum(p.numel() for p in raw.parameters()), "world": world, "gpus": gpus,
+            "data_parallel": args.data_parallel,
             "device": name, "precision": "bf16" if amp is not None else "fp32", "compile": args.compile,
             "compile_outer": args.compile_outer, "micro_batch": args.micro_batch, "accum": args.accum,
             "seq_len": args.seq_len,
