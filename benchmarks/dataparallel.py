@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--modes", default="one,dp")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps-one", type=int, default=260, help="timed steps at one GPU (~80 ms each on an H100)")
-    ap.add_argument("--steps-dp", type=int, default=100, help="timed steps under DataParallel")
+    ap.add_argument("--steps-dp", type=int, default=140, help="timed steps under DataParallel (~175 ms each at 2 H100s)")
     ap.add_argument("--steps-ddp", type=int, default=260, help="timed steps under DDP")
     ap.add_argument("--min-seconds", type=float, default=20.0)
     ap.add_argument("--loop-arg", action="append", default=[], help="passed to loop_minimal.py (a smoke run's tiny model)")

@@ -161,71 +161,54 @@ def peak_spec(cfg: dict) -> dict:
                       "log_every": 1}, "monitor": {"enabled": False}}
 
 
-def test_estimate_matches_measured_peak_memory(tmp_path):
-    """Both sizes, one per GPU at once where there are two; the trainer logs max_memory_allocated as
-    peak_mem_gib in metrics.jsonl."""
+def measured_and_estimated_peaks(tmp_path: Path, specs: dict[str, dict]) -> dict[str, tuple[float, float]]:
+    """name -> (measured peak, `hpcgpu estimate`'s ddp row) in bytes, for train specs run through the
+    local executor, one per GPU at once where there are two (the trainer logs max_memory_allocated
+    as peak_mem_gib in metrics.jsonl)."""
     parallel = torch.cuda.device_count() >= 2
     procs: dict[str, tuple[Path, subprocess.Popen]] = {}
     outputs: dict[str, str] = {}
-    for gpu, (name, cfg) in enumerate(GPT2.items()):
-        spec = {"runs_dir": str(tmp_path / "runs"), "name": f"peak-{name}", **peak_spec(cfg)}
+    for gpu, (name, body) in enumerate(specs.items()):
+        spec = {"runs_dir": str(tmp_path / "runs"), "name": name, **body}
         spec["resources"]["devices"] = str(gpu if parallel else 0)
-        path = tmp_path / f"peak-{name}.yaml"
+        path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(spec))
         procs[name] = (path, subprocess.Popen(
             [sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env()))
         if not parallel:
             outputs[name] = procs[name][1].communicate(timeout=480)[0]
-    errors = {}
+    peaks = {}
     for name, (path, proc) in procs.items():
         out = outputs.get(name) or proc.communicate(timeout=480)[0]
         assert proc.returncode == 0, out[-3000:]
-        run = sorted((tmp_path / "runs" / f"peak-{name}").glob("*"))[-1]
+        run = sorted((tmp_path / "runs" / name).glob("*"))[-1]
         measured = max(r["peak_mem_gib"] for r in records(run / "metrics.jsonl", "train")) * GiB
         est = subprocess.run([sys.executable, "-m", "hpcgpu", "estimate", str(path), "--json", "--gpu-memory", "80G"],
                              capture_output=True, text=True, env=env(), timeout=120)
         assert est.returncode == 0, est.stderr
         estimate = json.loads(est.stdout)["strategies"][0]["total"]  # ddp row; one rank: no DDP buckets
-        errors[name] = (estimate - measured) / measured
-        print(f"\ngpt2-{name} micro 8 seq 1024 accum 2 (compiled): measured peak {measured / GiB:.2f} GiB, "
-              f"estimate {estimate / GiB:.2f} GiB, error {errors[name] * 100:+.1f}%")
+        print(f"\n{name} micro 8 seq 1024 accum 2 (compiled): measured peak {measured / GiB:.2f} GiB, "
+              f"estimate {estimate / GiB:.2f} GiB, error {(estimate - measured) / measured * 100:+.1f}%")
+        peaks[name] = (measured, estimate)
+    return peaks
+
+
+def test_estimate_matches_measured_peak_memory(tmp_path):
+    """GPT-2 124M and 350M: the estimate within 25% of the measured peak."""
+    peaks = measured_and_estimated_peaks(tmp_path, {f"peak-{n}": peak_spec(cfg) for n, cfg in GPT2.items()})
+    errors = {name: (est - got) / got for name, (got, est) in peaks.items()}
     assert all(abs(e) <= 0.25 for e in errors.values()), errors
 
 
 def test_gradient_checkpointing_cuts_measured_peak_memory_as_estimated(tmp_path):
-    """GPT-2 350M, micro 8 x seq 1024, compiled: the same spec with train.gradient_checkpointing false
-    and true (one per GPU at once where there are two). The checkpointed run's measured peak is within
-    25% of `hpcgpu estimate`'s `+ckpt` row, and below the run without it by at least half the saving
-    the estimate predicts."""
-    parallel = torch.cuda.device_count() >= 2
-    runs: dict[bool, tuple[Path, subprocess.Popen]] = {}
-    outs: dict[bool, str] = {}
-    for gpu, ckpt in enumerate((False, True)):
-        spec = {"runs_dir": str(tmp_path / "runs"), "name": f"ckpt-{ckpt}".lower(), **peak_spec(GPT2["350m"])}
-        spec["train"]["gradient_checkpointing"] = ckpt
-        spec["resources"]["devices"] = str(gpu if parallel else 0)
-        path = tmp_path / f"ckpt-{ckpt}.yaml".lower()
-        path.write_text(yaml.safe_dump(spec))
-        runs[ckpt] = (path, subprocess.Popen(
-            [sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local", "--new"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env()))
-        if not parallel:
-            outs[ckpt] = runs[ckpt][1].communicate(timeout=480)[0]
-    measured: dict[bool, float] = {}
-    estimated: dict[bool, float] = {}
-    for ckpt, (path, proc) in runs.items():
-        out = outs.get(ckpt) or proc.communicate(timeout=480)[0]
-        assert proc.returncode == 0, out[-3000:]
-        run = sorted((tmp_path / "runs" / f"ckpt-{ckpt}".lower()).glob("*"))[-1]
-        measured[ckpt] = max(r["peak_mem_gib"] for r in records(run / "metrics.jsonl", "train")) * GiB
-        est = subprocess.run([sys.executable, "-m", "hpcgpu", "estimate", str(path), "--json", "--gpu-memory", "80G"],
-                             capture_output=True, text=True, env=env(), timeout=120)
-        assert est.returncode == 0, est.stderr
-        estimated[ckpt] = json.loads(est.stdout)["strategies"][0]["total"]
+    """GPT-2 350M, the same spec with train.gradient_checkpointing false and true. The checkpointed
+    run's measured peak is within 25% of `hpcgpu estimate`'s `+ckpt` row, and below the run without
+    it by at least half the saving the estimate predicts."""
+    specs = {}
     for ckpt in (False, True):
-        print(f"\ngpt2-350m micro 8 seq 1024 gradient_checkpointing={ckpt}: measured peak "
-              f"{measured[ckpt] / GiB:.2f} GiB, estimate {estimated[ckpt] / GiB:.2f} GiB, "
-              f"error {(estimated[ckpt] - measured[ckpt]) / measured[ckpt] * 100:+.1f}%")
-    assert abs(estimated[True] - measured[True]) / measured[True] <= 0.25
-    assert measured[False] - measured[True] >= 0.5 * (estimated[False] - estimated[True])
+        specs[f"ckpt-{ckpt}".lower()] = spec = peak_spec(GPT2["350m"])
+        spec["train"]["gradient_checkpointing"] = ckpt
+    (plain, plain_est), (ckpt, ckpt_est) = measured_and_estimated_peaks(tmp_path, specs).values()
+    assert abs(ckpt_est - ckpt) / ckpt <= 0.25
+    assert plain - ckpt >= 0.5 * (plain_est - ckpt_est)

@@ -35,6 +35,13 @@ def main(ctx):
     return 0
 '''
 
+ONE_GPU = """
+import json, syncbn
+net = syncbn.model().cuda().train()
+net(syncbn.batch().cuda())
+print(json.dumps({"mean": net[1].running_mean.tolist(), "var": net[1].running_var.tolist()}))
+"""
+
 
 @two_gpus
 def test_sync_batchnorm_on_two_gpus_matches_one_gpu_with_the_whole_batch(tmp_path: Path) -> None:
@@ -51,12 +58,12 @@ def test_sync_batchnorm_on_two_gpus_matches_one_gpu_with_the_whole_batch(tmp_pat
     ranks = [json.loads((run_dir / f"bn-{r}.json").read_text()) for r in (0, 1)]
     assert all(r["kind"] == "SyncBatchNorm" for r in ranks)
 
-    sys.path.insert(0, str(tmp_path))
-    import syncbn  # the same model and batch, on one GPU
-
-    net = syncbn.model().cuda().train()
-    net(syncbn.batch().cuda())
-    bn = net[1]
+    # the same model and batch on one GPU, in a subprocess: a CUDA context in the pytest process would
+    # make GPU 0 look busy to every later test's busy-GPU check
+    ref = subprocess.run([sys.executable, "-c", ONE_GPU], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    one = json.loads(ref.stdout.strip().splitlines()[-1])
     for r in ranks:
-        assert torch.allclose(torch.tensor(r["mean"]), bn.running_mean.cpu(), atol=1e-5)
-        assert torch.allclose(torch.tensor(r["var"]), bn.running_var.cpu(), atol=1e-4)
+        assert torch.allclose(torch.tensor(r["mean"]), torch.tensor(one["mean"]), atol=1e-5)
+        assert torch.allclose(torch.tensor(r["var"]), torch.tensor(one["var"]), atol=1e-4)

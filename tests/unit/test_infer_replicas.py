@@ -192,3 +192,23 @@ def test_weights_that_cannot_fit_the_copys_gpus_are_one_line_naming_the_setting_
     assert "15.0 GiB of bfloat16 weights do not fit on this model copy's 1 GPU(s)" in str(err.value)
     assert "set infer.gpus_per_replica: 2" in str(err.value)
     check_replica_fits(spec, LLAMA_8B, "bf16", torch.device("cuda", 0), MaxMemory(cpu=8 << 30))  # offload: fits
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_every_replica_gets_as_much_long_work_as_short(replicas: int) -> None:
+    """Rows of 1..768 tokens in batches of 8, dealt to the replicas: each replica's padded tokens are
+    within one batch's worth of the mean (round robin gave the last replica the longest batch of
+    every group, and so the most work), and every batch has exactly one owner."""
+    from hpcgpu.runtime.tasks.infer import batch_owner, make_batches
+
+    lengths = [1 + (i * 37) % 768 for i in range(768)]
+    batches = make_batches(lengths, 8)
+    work = [0] * replicas
+    for b, batch in enumerate(batches):
+        work[batch_owner(b, replicas)] += len(batch) * max(lengths[i] for i in batch)
+    mean = sum(work) / replicas
+    assert max(work) - min(work) <= 8 * 768, work
+    assert max(abs(w - mean) for w in work) / mean < 0.01
+    owners = [batch_owner(b, replicas) for b in range(len(batches))]
+    assert sorted(set(owners)) == list(range(replicas))
+    assert max(owners.count(r) for r in range(replicas)) - min(owners.count(r) for r in range(replicas)) <= 1

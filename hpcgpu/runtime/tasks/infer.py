@@ -2,7 +2,8 @@
 
 One rank is one replica: a whole copy of the model on its GPU (or a CPU rank). Every replica reads the
 whole input, tokenizes it, sorts the rows by (token length, input position) and cuts them into the same
-batches of the run plan's batch size; batch i belongs to replica i % replicas. The batches (and so
+batches of the run plan's batch size; the batches are dealt to the replicas in snake order (0, 1, ..,
+R-1, R-1, .., 0, ...: batch_owner), so each replica gets as much long as short work. The batches (and so
 every output, greedy or sampled: sampling is seeded per batch from (infer.seed, batch number)) do not
 depend on the replica count: 1 and 2 replicas give the same outputs.jsonl, bit for bit on CPU.
 
@@ -183,9 +184,17 @@ def file_digest(path: str) -> str:
 
 def make_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Row indices sorted by (token length, input position), cut into batches: the same batches for
-    any replica count (batch i is replica i % replicas')."""
+    any replica count (batch_owner says whose each is)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def batch_owner(batch: int, replicas: int) -> int:
+    """The replica that runs batch number `batch` of the length-sorted batches: dealt in snake order,
+    so that no replica gets the longest batch of every group of `replicas` (round robin would give the
+    last replica the most tokens and make the others wait for it at the end)."""
+    turn, seat = divmod(batch, replicas)
+    return seat if turn % 2 == 0 else replicas - 1 - seat
 
 
 def batch_seed(seed: int, batch: int) -> int:
@@ -544,7 +553,7 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
     goes round the loop the same number of times (the most batches any replica has left)."""
     replicas, rank = ctx.world_size, ctx.rank
     done = outputs.done_rows(paths, rows)
-    mine = [(b, batch) for b, batch in enumerate(batches) if b % replicas == rank]
+    mine = [(b, batch) for b, batch in enumerate(batches) if batch_owner(b, replicas) == rank]
     # the longest batches first: an out-of-memory shows at once, and a static KV cache sized by the
     # first batch serves every later one
     todo = [(b, batch) for b, batch in reversed(mine) if any(i not in done for i in batch)]
