@@ -11,10 +11,11 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
-# with max_new_tokens 128 and the model below: 4-8 s of generation on 2 CPU ranks in an earlier
-# session, ~140 s in later ones (0.7 rows/s on this 2-core VM; cause not found yet); the job must run
-# long enough to be preempted mid-run and short enough for the waits below
-ROWS = 96
+# with max_new_tokens 128 and the model below: ~10 rows/s on 2 CPU ranks of this 2-core VM, whose two
+# SLURM "nodes" are one machine (0.7 rows/s while each rank ran 2 torch threads on the 2 cores: see
+# share_host_cores in runtime/tasks/infer.py); long enough to be preempted mid-run, short enough for
+# the waits below
+ROWS = 240
 
 
 def replica_records(run_dir: Path) -> list[dict]:
@@ -56,6 +57,7 @@ def test_infer_two_nodes_preempted_requeued_every_row_once(slurm):
     assert info["NodeList"] == "n[1-2]", info
     assert info["NumTasks"] == "2" and "cpu=4," in info["TRES"], info  # a task per copy, the cores of its 2 GPUs
     assert "x 2 replica(s)" in out and "requeued job" in out
+    assert "2 ranks share this machine's 2 cores: 1 torch thread(s) per rank" in out, out
 
     events = [r for r in slurm.metrics(run_dir) if r["kind"] in ("stop", "resume", "end")]
     assert [e["kind"] for e in events] == ["stop", "resume", "end"], events
