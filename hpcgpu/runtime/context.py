@@ -215,6 +215,7 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     if alone_group is None:
         alone_group = spec_obj is not None and spec_obj.distributed.strategy == "deepspeed"
     _dist.init_process_group(env, spec_obj, device, alone=alone_group)
+    _dist.set_cpu_threads(device)
     run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
     if spec_obj is not None:

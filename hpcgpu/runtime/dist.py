@@ -107,6 +107,42 @@ def agreed_min(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def host_id() -> str:
+    """The machine whose cores this process runs on: the kernel's boot id (the same in every
+    container and every emulated SLURM "node" of one host), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
+
+def set_cpu_threads(device: torch.device) -> None:
+    """A rank's torch threads: the SLURM_CPUS_PER_TASK cores srun and the local executor give it (torch
+    would take every core), and on CPU ranks no more than their share of the machine's cores when
+    ranks of the job share one machine (the local executor's CPU ranks, or SLURM "nodes" that are one
+    host): oversubscribed OpenMP threads wait for each other (2 ranks of 2 threads on a 2-core host
+    generated 20x slower than 1 thread each). OMP_NUM_THREADS, where set, decides. Collective on CPU
+    ranks of a process group."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
+    if device.type != "cpu" or not (dist.is_available() and dist.is_initialized()):
+        return
+    me = host_id()
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, me, group=coordination_group(device))
+    sharing = hosts.count(me)
+    share = max(1, (os.cpu_count() or 1) // sharing)
+    if torch.get_num_threads() > share:
+        log.info(f"{sharing} ranks share this machine's {os.cpu_count()} cores: {share} torch thread(s) per rank "
+                 f"(not {torch.get_num_threads()}; set OMP_NUM_THREADS to choose)")
+        torch.set_num_threads(share)
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slurm
 
 # with max_new_tokens 128 and the model below: ~10 rows/s on 2 CPU ranks of this 2-core VM, whose two
 # SLURM "nodes" are one machine (0.7 rows/s while each rank ran 2 torch threads on the 2 cores: see
-# share_host_cores in runtime/tasks/infer.py); long enough to be preempted mid-run, short enough for
+# set_cpu_threads in runtime/dist.py); long enough to be preempted mid-run, short enough for
 # the waits below
 ROWS = 240
 

@@ -47,6 +47,11 @@ def smallest(ctx):
     return agreed
 
 
+def threads(ctx):
+    (OUT / f"threads-{ctx.rank}.json").write_text(json.dumps(torch.get_num_threads()))
+    return 0
+
+
 def crash(ctx):
     if ctx.rank == 1:
         (OUT / "crash-time").write_text(repr(time.time()))
@@ -135,6 +140,24 @@ def test_ranks_agree_on_the_smallest_value(tmp_path: Path) -> None:
     proc = submit(write_spec_file(tmp_path, callable_spec("smallest", "smallest", tmp_path)), timeout=90)
     assert proc.returncode == 25, proc.stdout + proc.stderr
     assert [json.loads((tmp_path / f"min-{rank}.json").read_text()) for rank in range(2)] == [25, 25]
+
+
+def test_cpu_ranks_on_one_machine_share_its_cores(tmp_path: Path) -> None:
+    """Each of 2 CPU ranks is given every core (cpus_per_gpu = the machine's cores) and no
+    OMP_NUM_THREADS: each takes half the cores instead, and says so, since oversubscribed OpenMP
+    threads wait for each other."""
+    cores = os.cpu_count() or 1
+    spec = callable_spec("threads", "threads", tmp_path)
+    spec["resources"]["cpus_per_gpu"] = cores
+    env = job_env()
+    del env["OMP_NUM_THREADS"]
+    proc = submit(write_spec_file(tmp_path, spec), timeout=90, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    share = max(1, cores // 2)
+    assert [json.loads((tmp_path / f"threads-{rank}.json").read_text()) for rank in range(2)] == [share, share]
+    if cores > 1:
+        log = next((tmp_path / "runs" / "threads").iterdir()) / "logs" / "rank-0.log"
+        assert f"2 ranks share this machine's {cores} cores: {share} torch thread(s) per rank" in log.read_text()
 
 
 @pytest.mark.parametrize("entry", ["crash", "crash_while_busy"])

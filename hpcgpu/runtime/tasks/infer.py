@@ -58,7 +58,7 @@ from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.model import load_for_inference, model_config, placement
 from hpcgpu.runtime.plan import (DTYPE_BYTES, DTYPE_OF_PRECISION, RunPlan, check_recorded, infer_precision,
                                  infer_row_bytes, plan_infer, recorded_plan, with_replicas)
-from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan, set_cpu_threads
+from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
@@ -616,39 +616,8 @@ def round_numbers(ctx: Context, result: BatchResult | None, new_rows: int, skipp
 
 # ---------------------------------------------------------------- the task
 
-def host_id() -> str:
-    """The machine whose cores this process runs on: the kernel's boot id (the same in every
-    container and every emulated SLURM "node" of one host), else the host name."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        import socket
-
-        return socket.gethostname()
-
-
-def share_host_cores(ctx: Context) -> None:
-    """CPU ranks on one machine take their share of its cores, no more than SLURM_CPUS_PER_TASK: torch's
-    OpenMP threads of ranks that oversubscribe the cores wait for each other (2 ranks of 2 threads on a
-    2-core host, SLURM "nodes" that are one machine: 10-20x slower generation than 1 thread each).
-    OMP_NUM_THREADS, where set, decides. Collective on CPU ranks."""
-    if ctx.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or not (dist.is_available()
-                                                                           and dist.is_initialized()):
-        return
-    me = host_id()
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, me, group=coordination_group(ctx.device))
-    share = max(1, (os.cpu_count() or 1) // max(1, hosts.count(me)))
-    if torch.get_num_threads() > share:
-        log.info(f"{hosts.count(me)} ranks share this machine's {os.cpu_count()} cores: {share} torch thread(s) "
-                 f"per rank (not {torch.get_num_threads()}; set OMP_NUM_THREADS to choose)")
-        torch.set_num_threads(share)
-
-
 def run_infer(spec: Spec, paths: RunPaths) -> int:
-    set_cpu_threads()
     with init(spec, paths, alone_group=False) as ctx:
-        share_host_cores(ctx)
         if is_finished(ctx.run_dir):
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0

@@ -803,12 +803,6 @@ def quiet_libraries(ctx: Context) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def set_cpu_threads() -> None:
-    # srun and the local executor give each rank SLURM_CPUS_PER_TASK cores; torch would take them all
-    if "OMP_NUM_THREADS" not in os.environ and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
-
-
 def start_plan(ctx: Context, spec: Spec, paths: RunPaths, data: TrainData) -> RunPlan:
     """Settle the run plan (before the model is built: the strategy decides how it is built and
     wrapped; after the data is read: train.epochs counts its sequences) and give a lone rank the
@@ -864,7 +858,6 @@ def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how:
 def run_train(spec: Spec, paths: RunPaths) -> int:
     from hpcgpu.runtime.requeue import mark_finished
 
-    set_cpu_threads()
     with init(spec, paths, alone_group=False) as ctx:  # a lone rank's group waits for the plan
         if is_finished(ctx.run_dir):
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
