@@ -189,7 +189,9 @@ def encode_all(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     if isinstance(tokenizer, ByteTokenizer):
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
     if getattr(tokenizer, "is_fast", False) and texts:
-        return [np.asarray(ids, dtype=np.int64) for ids in tokenizer(texts, verbose=False)["input_ids"]]
+        # ids only: the attention masks (and token type ids) the call builds by default are thrown away
+        enc = tokenizer(texts, verbose=False, return_attention_mask=False, return_token_type_ids=False)
+        return [np.asarray(ids, dtype=np.int64) for ids in enc["input_ids"]]
     return [np.asarray(tokenizer.encode(t), dtype=np.int64) for t in texts]
 
 
