@@ -22,14 +22,14 @@ from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import smallest_gpu
 from hpcgpu.gpu.estimate import (INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES, WEIGHTS_SHARE, GiB,
-                                 InferDims, MaxMemory, ModelDims, Strategy, count_params, dims_from_config, estimate, fits,
+                                 InferDims, MaxMemory, ModelDims, Strategy, count_params, dims_from_config, estimate,
+                                 fits,
                                  fewest_gpus_per_replica, fmt_bytes, infer_dims, infer_split_estimate,
                                  infer_split_max_batch, max_micro_batch, offloaded_bytes, parse_max_memory,
                                  parse_size, replica_fits, spec_weights_format, usable_bytes, weight_bytes,
                                  with_checkpointing)
-from hpcgpu.gpu.recommend import Checkpointing
+from hpcgpu.gpu.recommend import Checkpointing, compiled_step, recommend_for_job
 from hpcgpu.gpu.source import default_source
-from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.runtime.plan import INFER_BATCH_CAP
 from hpcgpu.spec import Spec, load_spec
 

@@ -229,13 +229,7 @@ class CheckpointManager:
         payload = as_payload(payload)
         use_async = (self.policy.async_save if blocking is None else not blocking) and payload.can_async
         t0 = time.perf_counter()
-        tmp = self.root / f".{step_dir_name(step)}.tmp"
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a kill: its contents are unknown
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
+        tmp = self._fresh_tmp(step_dir_name(step), rank_state)
         meta = dict(meta, step=step, world_size=self.world_size, time=time.time())
         if use_async:
             fut = self._write_async(payload, tmp)
@@ -247,6 +241,17 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
         self.last_save_time = time.monotonic()
         self.last_saved_step = step
+
+    def _fresh_tmp(self, name: str, rank_state: dict[str, Any]) -> Path:
+        """Collective: an empty .NAME.tmp/ (rank 0 makes it), holding each rank's own state."""
+        tmp = self.root / f".{name}.tmp"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a kill: its contents are unknown
+            tmp.mkdir(parents=True)
+        self._barrier()
+        torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
+        return tmp
 
     def _write_async(self, payload: Payload, tmp: Path) -> Future:
         options = self._stager_kwargs()
@@ -285,13 +290,7 @@ class CheckpointManager:
         never sees it: prune() and resume match step-N names only."""
         self.finish_pending()
         payload = as_payload(payload)
-        tmp = self.root / f".{BEST_NAME}.tmp"
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a kill
-            tmp.mkdir(parents=True)
-        self._barrier()
-        torch.save(rank_state, tmp / f"rank-{self.rank}.pt")
+        tmp = self._fresh_tmp(BEST_NAME, rank_state)
         payload.write(tmp)
         self._finalize(tmp, BEST_NAME, dict(meta, world_size=self.world_size, time=time.time()), prune=False)
 
