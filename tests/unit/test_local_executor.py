@@ -142,22 +142,27 @@ def test_ranks_agree_on_the_smallest_value(tmp_path: Path) -> None:
     assert [json.loads((tmp_path / f"min-{rank}.json").read_text()) for rank in range(2)] == [25, 25]
 
 
-def test_cpu_ranks_on_one_machine_share_its_cores(tmp_path: Path) -> None:
-    """Each of 2 CPU ranks is given every core (cpus_per_gpu = the machine's cores) and no
-    OMP_NUM_THREADS: each takes half the cores instead, and says so, since oversubscribed OpenMP
-    threads wait for each other."""
+@pytest.mark.parametrize("ranks, cpus, omp", [(2, "all", None), (2, "all", "all"), (1, 1, None)],
+                         ids=["two-ranks-share", "omp-decides", "one-rank-gets-its-cpus"])
+def test_cpu_ranks_on_one_machine_share_its_cores(tmp_path: Path, ranks: int, cpus: int | str,
+                                                  omp: str | None) -> None:
+    """README's thread rule: a rank runs SLURM_CPUS_PER_TASK (cpus_per_gpu) torch threads; CPU ranks
+    sharing the machine take at most their share of its cores, and say so (oversubscribed OpenMP
+    threads wait for each other); OMP_NUM_THREADS, where set, decides."""
     cores = os.cpu_count() or 1
     spec = callable_spec("threads", "threads", tmp_path)
-    spec["resources"]["cpus_per_gpu"] = cores
+    spec["resources"].update(gpus=ranks, cpus_per_gpu=cores if cpus == "all" else cpus)
     env = job_env()
     del env["OMP_NUM_THREADS"]
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = str(cores)
     proc = submit(write_spec_file(tmp_path, spec), timeout=90, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    share = max(1, cores // 2)
-    assert [json.loads((tmp_path / f"threads-{rank}.json").read_text()) for rank in range(2)] == [share, share]
-    if cores > 1:
-        log = next((tmp_path / "runs" / "threads").iterdir()) / "logs" / "rank-0.log"
-        assert f"2 ranks share this machine's {cores} cores: {share} torch thread(s) per rank" in log.read_text()
+    expect = cores if omp else 1 if ranks == 1 else max(1, cores // ranks)
+    assert [json.loads((tmp_path / f"threads-{rank}.json").read_text()) for rank in range(ranks)] == [expect] * ranks
+    log = (next((tmp_path / "runs" / "threads").iterdir()) / "logs" / "rank-0.log").read_text()
+    shared = f"2 ranks share this machine's {cores} cores: {cores // 2} torch thread(s) per rank"
+    assert (shared in log) == (ranks == 2 and not omp and cores > 1), log[-2000:]
 
 
 @pytest.mark.parametrize("entry", ["crash", "crash_while_busy"])
