@@ -12,8 +12,9 @@
 #            phase 3 times on one warm machine for median and spread
 #   steps NAME...: named pieces, in the order given, each skipped once less than its estimate is left of
 #            the call's $CALL_BUDGET seconds (default 570): infer-throughput (3 rounds, plain vs hpcgpu,
-#            768 rows), infer-scaling (SCALING_ROUNDS rounds of SCALING_ROWS rows, pooled over calls in
-#            /tmp/ib; ~170 s a round at 2304 rows on H100s, in proportion to the rows), infer-tests,
+#            768 rows), infer-scaling (SCALING_ROUNDS rounds of SCALING_ROWS rows at SCALING_GPUS replica
+#            counts, default 1,2[,4], pooled over calls in /tmp/ib; a round ~ rows x sum(1/width) / 34 s
+#            of loops + ~22 s a process on H100s), infer-tests,
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
@@ -32,14 +33,17 @@ fits() {  # fits SECONDS: is there that much left of this call's budget?
   [ "$1" -le "$left" ] && return 0
   echo "=== skipped (needs ~$1 s, $left s left of the call)"; return 1
 }
+inv_sum() { local t=0 w; for w in ${1//,/ }; do t=$(( t + 1000 / w )); done; echo "$t"; }  # 1000 x sum of 1/width
 pytest_gpu() { python3 -m pytest -q -s -p no:cacheprovider -rs "$@" 2>&1 | grep -vE "Warning|warn\(" ; }
 run_step() {
   local widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
   case "$1" in
     infer-throughput) fits 330 && step python3 benchmarks/infer_throughput.py --variants "plain,hpcgpu" --rows 768 \
         --repeats 3 --work /tmp/ib --json "$OUT/infer_throughput.json" 2>&1 | tee "$OUT/infer_throughput.log" | tail -25 ;;
-    infer-scaling) fits $(( 170 * ${SCALING_ROUNDS:-1} * ${SCALING_ROWS:-2304} / 2304 )) && step python3 benchmarks/infer_throughput.py --scaling \
-        --gpus "$widths" --scaling-rows "${SCALING_ROWS:-2304}" --repeats "${SCALING_ROUNDS:-1}" --work /tmp/ib \
+    infer-scaling) local sw="${SCALING_GPUS:-$widths}"
+      fits $(( ${SCALING_ROUNDS:-1} * (${SCALING_ROWS:-2304} * $(inv_sum "$sw") / 34000 + 22 * $(tr , ' ' <<<"$sw" | wc -w)) )) \
+      && step python3 benchmarks/infer_throughput.py --scaling \
+        --gpus "$sw" --scaling-rows "${SCALING_ROWS:-2304}" --repeats "${SCALING_ROUNDS:-1}" --work /tmp/ib \
         --append /tmp/ib/scaling.json --json "$OUT/infer_scaling.json" 2>&1 | tee -a "$OUT/infer_scaling.log" | tail -12 ;;
     infer-tests) fits 120 && pytest_gpu tests/gpu/test_gpu_infer.py -k "two_replicas or split" \
         | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
