@@ -208,7 +208,8 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     alone. None: when the spec says distributed.strategy: deepspeed (the user's own code); the train
     task passes False and starts it after its run plan chose DeepSpeed (strategy: auto may)."""
     spec_obj, spec_path = _resolve_spec(spec)
-    env = bind_gpu_group(DistEnv.from_environ(gpus_per_task=spec_obj.gpus_per_task if spec_obj else 1))
+    env = bind_gpu_group(DistEnv.from_environ(gpus_per_task=spec_obj.gpus_per_task if spec_obj else 1,
+                                              own_group=spec_obj is not None and spec_obj.own_gpu_group))
     setup_logging(env)
     print_startup_line(env)
     device = _dist.select_device(env)

@@ -36,6 +36,7 @@ class DistEnv:
     hosts: tuple[str, ...] = field(default_factory=tuple)
     visible_devices: tuple[str, ...] | None = None  # CUDA_VISIBLE_DEVICES as given, None if unset
     gpus_per_task: int = 1  # a model copy over several GPUs (task: infer): its group, once bound
+    own_group: bool = False  # the task sees only its own GPUs, even one (task: infer; bind_gpu_group)
 
     @property
     def is_main(self) -> bool:
@@ -72,7 +73,7 @@ class DistEnv:
         """
         if gpu_count <= 0:
             return None
-        if gpu_count == 1 or self.gpus_per_task > 1:  # a bound group: its first GPU leads
+        if gpu_count == 1 or self.own_group:  # a bound group: its first GPU leads
             return 0
         if self.local_rank >= gpu_count:
             raise EnvironmentError_(
@@ -82,8 +83,10 @@ class DistEnv:
         return self.local_rank
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None, gpus_per_task: int = 1) -> "DistEnv":
-        """gpus_per_task: GPUs one task spans (infer.gpus_per_replica); the group is bound later."""
+    def from_environ(cls, environ: Mapping[str, str] | None = None, gpus_per_task: int = 1,
+                     own_group: bool = False) -> "DistEnv":
+        """gpus_per_task: GPUs one task spans (infer.gpus_per_replica); own_group: the task is to see
+        only those (Spec.own_gpu_group); the group is bound later."""
         env = os.environ if environ is None else environ
         launcher = env.get(ENV_LAUNCHER, "")
         if launcher and launcher not in LAUNCHERS:
@@ -97,7 +100,8 @@ class DistEnv:
         else:
             out = cls(launcher="single", master_port=_port(env, None), visible_devices=_visible(env),
                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"))
-        out = dataclasses.replace(out, gpus_per_task=gpus_per_task) if gpus_per_task > 1 else out
+        if own_group or gpus_per_task > 1:
+            out = dataclasses.replace(out, gpus_per_task=gpus_per_task, own_group=True)
         out.check()
         return out
 
@@ -112,7 +116,7 @@ class DistEnv:
                 f"{self.local_world_size} tasks on this node but only {self.world_size} in the job")
         if not 1 <= self.master_port <= 65535:
             raise EnvironmentError_(f"MASTER_PORT={self.master_port} is not a port (1-65535)")
-        if self.gpus_per_task > 1:
+        if self.own_group:
             return  # bind_gpu_group checks the GPUs a group needs
         if self.visible_devices and self.local_world_size > len(self.visible_devices) > 1:
             raise EnvironmentError_(
@@ -121,13 +125,17 @@ class DistEnv:
 
 
 def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None) -> DistEnv:
-    """A task spanning several GPUs (a model copy over gpus_per_task GPUs) keeps only its own group
-    visible: GPUs [g * local rank, g * local rank + g) of those the node's tasks all see (SLURM's
-    --gres, the local executor), or all it sees where SLURM bound the task to its g GPUs already.
-    Before CUDA starts (torch reads CUDA_VISIBLE_DEVICES once). The node's list stays in
-    HPCGPU_NODE_GPUS for the GPU monitor."""
+    """A task with a GPU group of its own (an infer replica: a model copy over gpus_per_task GPUs, one
+    included) keeps only that group visible: GPUs [g * local rank, g * local rank + g) of those the
+    node's tasks all see (SLURM's --gres, the local executor), or all it sees where SLURM bound the
+    task to its g GPUs already. Before CUDA starts (torch reads CUDA_VISIBLE_DEVICES once). The
+    node's list stays in HPCGPU_NODE_GPUS for the GPU monitor.
+
+    Why one GPU too: a replica that saw the node's GPUs asked each of them for its free memory, which
+    made a CUDA context of it on every GPU and summed every GPU's memory into its batch budget.
+    Training ranks keep the node's list (own_group False)."""
     g = env.gpus_per_task
-    if g <= 1 or env.visible_devices == ():  # CUDA_VISIBLE_DEVICES="": CPU ranks, on purpose
+    if not env.own_group or env.visible_devices == ():  # CUDA_VISIBLE_DEVICES="": CPU ranks, on purpose
         return env
     target = os.environ if environ is None else environ
     visible = env.visible_devices

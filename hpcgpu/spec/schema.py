@@ -340,6 +340,13 @@ class Spec:
         return g if self.task == "infer" and isinstance(g, int) else 1
 
     @property
+    def own_gpu_group(self) -> bool:
+        """Each rank sees only its own GPUs (CUDA_VISIBLE_DEVICES narrowed, runtime/env.py
+        bind_gpu_group): infer replicas, which share nothing on a GPU. Training ranks see the node's
+        GPUs, as under torchrun, for NCCL's peer-to-peer paths between them."""
+        return self.task == "infer"
+
+    @property
     def tasks_per_node(self) -> int:
         return self.resources.gpus // self.gpus_per_task
 

@@ -73,13 +73,13 @@ def test_auto_without_a_known_gpu_size_is_one_and_says_how_to_split(tmp_path: Pa
     assert "not visible from here" in said[0] and "set infer.gpus_per_replica" in said[0]
 
 
-def env_of(local_rank: int, local_world: int, visible: str | None, g: int) -> DistEnv:
+def env_of(local_rank: int, local_world: int, visible: str | None, g: int, own_group: bool = True) -> DistEnv:
     environ = {"HPCGPU_LAUNCHER": "local", "SLURM_PROCID": str(local_rank), "SLURM_LOCALID": str(local_rank),
                "SLURM_NTASKS": str(local_world), "SLURM_TASKS_PER_NODE": str(local_world), "SLURM_NNODES": "1",
                "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "1", "MASTER_PORT": "29999"}
     if visible is not None:
         environ["CUDA_VISIBLE_DEVICES"] = visible
-    return DistEnv.from_environ(environ, gpus_per_task=g)
+    return DistEnv.from_environ(environ, gpus_per_task=g, own_group=own_group)
 
 
 def test_each_task_sees_only_its_group_of_gpus() -> None:
@@ -103,11 +103,26 @@ def test_too_few_gpus_for_the_groups_is_one_clear_error() -> None:
     assert "2 model copies of 2 GPUs on this node need 4 GPUs, but 3 are visible" in str(err.value)
 
 
-def test_one_gpu_per_task_changes_nothing() -> None:
+def test_a_training_rank_keeps_the_nodes_gpus() -> None:
     target: dict[str, str] = {}
-    env = env_of(1, 2, "0,1", 1)
+    env = env_of(1, 2, "0,1", 1, own_group=False)
     assert bind_gpu_group(env, target) is env and target == {}
+    assert env.device_index(2) == 1
     assert os.environ.get("HPCGPU_NODE_GPUS") is None
+
+
+def test_an_infer_replica_of_one_gpu_sees_only_its_own(tmp_path: Path) -> None:
+    # seeing the node's GPUs, it asked each for free memory: a CUDA context on every GPU and their
+    # memory summed into its batch budget
+    spec = load_spec(infer_spec(tmp_path, gpus=4), ["infer.gpus_per_replica=1"])
+    assert spec.own_gpu_group and spec.gpus_per_task == 1
+    target: dict[str, str] = {}
+    env = bind_gpu_group(env_of(2, 4, "4,5,6,7", spec.gpus_per_task, spec.own_gpu_group), target)
+    assert target == {"CUDA_VISIBLE_DEVICES": "6", "HPCGPU_NODE_GPUS": "4,5,6,7"}
+    assert env.visible_devices == ("6",) and env.device_index(1) == 0
+    # a train spec's ranks do not own their GPUs
+    (tmp_path / "t.txt").write_text("text")
+    assert not load_spec(infer_spec(tmp_path, gpus=4), ["task=train", f"data.train={tmp_path / 't.txt'}"]).own_gpu_group
 
 
 def test_the_placement_line_gives_layers_as_ranges() -> None:
