@@ -261,7 +261,8 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, spec: Path, gpus: int, stat
     end = end[-1]
     return {"rows": end["rows"], "tokens": end["tokens"], "elapsed_s": end["elapsed_s"],
             "rows_per_s": end["rows"] / end["elapsed_s"], "tokens_per_s": end["tokens"] / end["elapsed_s"],
-            "wall_s": wall, "run_dir": str(run_dir), "texts": read_texts(run_dir / "outputs.jsonl")}
+            "wall_s": wall, "run_dir": str(run_dir), "texts": read_texts(run_dir / "outputs.jsonl"),
+            **{k: v for k, v in end.items() if k.startswith("replica_")}}
 
 
 def read_texts(path: Path) -> dict[int, str]:
@@ -530,10 +531,29 @@ def scaling(args: argparse.Namespace, work: Path, model_dir: Path, info: dict[st
               f"{fmt_spread([r['elapsed_s'] for r in runs], 2):>16} {verdict:>26}")
     print(f"efficiency = rows/s(N) / (N x rows/s(1)), target >= {TARGET_EFFICIENCY}; "
           "range: the per-round ratios")
+    for line in where_time_went(widths, results, args.batch_size):
+        print(line)
     widest = {f"{widths[-1]} GPU": results[f"{widths[-1]} GPU"]}
     for line in short_measurements(args, widest):
         print(line)
     return rep
+
+
+def where_time_went(widths: list[int], results: dict[str, list[dict[str, Any]]], batch_size: int) -> list[str]:
+    """Per replica count, the mean over replicas of each part of the loop (median over rounds): what
+    a gap in efficiency is made of (slower batches, the cold first batch, writing, waiting)."""
+    parts = ("loop_s", "batches_s", "first_batch_s", "write_s", "wait_s")
+    lines = []
+    for w in widths:
+        runs = [r for r in results[f"{w} GPU"] if all(f"replica_{p}" in r for p in parts)]
+        if not runs:
+            continue
+        med = {p: statistics.median(statistics.mean(r[f"replica_{p}"]) for r in runs) for p in parts}
+        per_batch = med["batches_s"] / max(1.0, runs[0]["rows"] / w / batch_size)
+        lines.append(f"{w} replica(s), mean of replicas: loop {med['loop_s']:.2f} s = batches {med['batches_s']:.2f} s "
+                     f"(the first {med['first_batch_s']:.2f} s; {per_batch:.3f} s a batch) + writing "
+                     f"{med['write_s']:.2f} s + waiting {med['wait_s']:.2f} s")
+    return lines
 
 
 # ---------------------------------------------------------------- host facts (the parent never touches CUDA:

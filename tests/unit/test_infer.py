@@ -220,6 +220,15 @@ def test_plan_progress_and_metrics_are_recorded(greedy2: Path) -> None:
     assert progress[-1]["rows_per_s"] > 0 and progress[-1]["tokens_per_s"] > 0
     (end,) = records(greedy2, "end")
     assert end["rows"] == ROWS and end["tokens"] == sum(r["completion_tokens"] for r in outputs(greedy2))
+    # where each replica's loop time went, one value per replica: batches, the cold first one, writing
+    # the rows, waiting for the other replica
+    for key in ("loop_s", "batches_s", "first_batch_s", "write_s", "wait_s"):
+        assert len(end[f"replica_{key}"]) == 2, key
+    for r in range(2):
+        assert 0 < end["replica_first_batch_s"][r] <= end["replica_batches_s"][r] < end["replica_loop_s"][r]
+        parts = end["replica_batches_s"][r] + end["replica_write_s"][r] + end["replica_wait_s"][r]
+        assert parts <= end["replica_loop_s"][r] + 0.01
+    assert "replica loops " in log0 and "waiting for the others" in log0
 
 
 def test_stopped_and_resumed_after_a_kill_mid_write_gives_the_uninterrupted_outputs(world: dict, greedy2: Path

@@ -30,6 +30,7 @@ Records (one JSON object a line):
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -39,7 +40,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -547,10 +548,62 @@ def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int,
     return EXIT_STOPPED
 
 
+@dataclass
+class ReplicaTimes:
+    """Where one replica's loop time went: running batches (its first, cold one apart), writing
+    them, and waiting for the others' numbers of the round before (a replica a batch behind)."""
+
+    batches_s: float = 0.0
+    first_batch_s: float = 0.0
+    write_s: float = 0.0
+    wait_s: float = 0.0
+    loop_s: float = 0.0
+    FIELDS = ("loop_s", "batches_s", "first_batch_s", "write_s", "wait_s")
+
+    @contextlib.contextmanager
+    def timing(self, what: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, what, getattr(self, what) + time.perf_counter() - t0)
+
+    def every_replica(self, ctx: Context) -> dict[str, list[float]]:
+        """Each field as every replica's value, in rank order (collective: one all-reduce)."""
+        n = ctx.world_size
+        slots = [0.0] * (n * len(self.FIELDS))
+        for k, name in enumerate(self.FIELDS):
+            slots[k * n + ctx.rank] = getattr(self, name)
+        summed = all_sum(slots, coordination_group(ctx.device))
+        return {f"replica_{name}": [round(v, 3) for v in summed[k * n:(k + 1) * n]]
+                for k, name in enumerate(self.FIELDS)}
+
+
+def describe_times(times: dict[str, list[float]]) -> str:
+    def span(key: str) -> str:
+        v = times[f"replica_{key}"]
+        return f"{min(v):.1f}" if min(v) == max(v) else f"{min(v):.1f}-{max(v):.1f}"
+
+    return (f"replica loops {span('loop_s')} s: batches {span('batches_s')} s (the first {span('first_batch_s')} "
+            f"s), writing {span('write_s')} s, waiting for the others {span('wait_s')} s")
+
+
 def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
-               metrics: MetricsWriter, rows: Sequence[Row]) -> tuple[str, Progress]:
+               metrics: MetricsWriter, rows: Sequence[Row],
+               times: ReplicaTimes | None = None) -> tuple[str, Progress]:
     """This replica's batches; returns ('finished' | 'stopped', progress). Collective: every replica
-    goes round the loop the same number of times (the most batches any replica has left)."""
+    goes round the loop the same number of times (the most batches any replica has left). `times`
+    gets where this replica's loop time went."""
+    times = times if times is not None else ReplicaTimes()
+    t_loop = time.perf_counter()
+    try:
+        return _replica_loop(ctx, spec, paths, engine, batches, metrics, rows, times)
+    finally:
+        times.loop_s = time.perf_counter() - t_loop
+
+
+def _replica_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
+                  metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, Progress]:
     replicas, rank = ctx.world_size, ctx.rank
     done = outputs.done_rows(paths, rows)
     mine = [(b, batch) for b, batch in enumerate(batches) if batch_owner(b, replicas) == rank]
@@ -584,20 +637,27 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
             result, new = None, []
             if it < len(todo) and not stopping:
                 number, batch = todo[it]
-                result = engine.run(number, batch)
+                with times.timing("batches_s"):
+                    result = engine.run(number, batch)
+                if it == 0:
+                    times.first_batch_s = times.batches_s
                 # a batch partly written before (a kill -9 mid-write) is redone whole: only its
                 # missing rows are written
                 new = [r for r in result.records if r["index"] not in done]
-                writer.write(new)
+                with times.timing("write_s"):
+                    writer.write(new)
             inject_signal(ctx, it + 1, fresh)
-            previous = agree.post(round_numbers(ctx, result, len(new), skipped=it < len(todo) and stopping))
+            with times.timing("wait_s"):
+                previous = agree.post(round_numbers(ctx, result, len(new), skipped=it < len(todo) and stopping))
             account(previous, it - 1)
             if previous is not None and previous[0] > 0:  # a stop, agreed on the previous round
-                current = agree.drain()
+                with times.timing("wait_s"):
+                    current = agree.drain()
                 account(current, it)
                 every_batch_ran = it == rounds - 1 and previous[4] == 0 and current is not None and current[4] == 0
                 return ("finished" if every_batch_ran else "stopped"), progress
-        final = agree.drain()
+        with times.timing("wait_s"):
+            final = agree.drain()
         account(final, rounds - 1)
     if final is not None and final[4] > 0:  # a replica stopped before its last batch
         return "stopped", progress
@@ -675,15 +735,17 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
                     enabled=spec.monitor.enabled and ctx.device.type == "cuda",
                     on_sample=tracking.gpu_sample if tracking is not None and tracking.active else None):
-        outcome, progress = infer_loop(ctx, spec, paths, engine, batches, metrics, rows)
+        times = ReplicaTimes()
+        outcome, progress = infer_loop(ctx, spec, paths, engine, batches, metrics, rows, times)
     if outcome == "stopped":
         return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")
-    ctx.barrier()  # every replica's rows are on disk
+    replica_times = times.every_replica(ctx)  # collective: also every replica's rows are on disk
     if ctx.is_main:
+        log.info(describe_times(replica_times))
         out = outputs.merge(paths, rows)
         mark_finished(ctx.run_dir, ctx.env)
         elapsed = time.perf_counter() - progress.t0
         metrics.write("end", rows=len(rows), rows_this_start=progress.done - progress.start_done,
-                      tokens=progress.completion_tokens, elapsed_s=elapsed)
+                      tokens=progress.completion_tokens, elapsed_s=elapsed, **replica_times)
         log.info(f"wrote {out} ({len(rows)} rows)")
     return 0
