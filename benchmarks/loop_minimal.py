@@ -15,7 +15,13 @@ seq x world per step), ms_per_step, mfu (hpcgpu's FLOPs count: 6 x parameters + 
 head_dim x seq per token, over the GPU's dense bf16 peak; null on the CPU or an unknown GPU),
 ttfs_s (the process start, time.time() at the top of this file, to step 1 done, synchronised),
 step1_done_unix (the same instant, wall clock: the benchmark measures from its own launch), the final
-loss and the setup. Needs torch and transformers; no hpcgpu.
+loss and the setup. Needs torch and transformers; of hpcgpu only its GPU peak table (loop_common.py)
+and, with --profile-dir, its profiler.
+
+--profile-dir DIR: torch.profiler over steps N to N+K-1 (--profile-start N, default 10; --profile-steps
+K, default 3; steps counted from 1 over --warmup then --steps) through hpcgpu's train.profile code
+(hpcgpu/runtime/profile.py): DIR/rank{R}.trace.json and DIR/rank{R}.txt, one log line on stderr.
+Profiled steps among the timed ones slow them down.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ T_START = time.time()  # the process start as this program sees it (before torch
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -58,12 +65,32 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
+    ap.add_argument("--profile-dir", default=None, help="torch.profiler trace and summary per rank go here")
+    ap.add_argument("--profile-start", type=int, default=10, help="first profiled step, counted from 1 over "
+                    "--warmup and --steps")
+    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
     args = ap.parse_args()
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    if args.profile_start < 1 or args.profile_steps < 1:
+        ap.error("--profile-start and --profile-steps must be >= 1")
     if args.data_parallel and args.compile:
         ap.error("--data-parallel needs --no-compile (DataParallel replicates the module every step)")
     return args
+
+
+def step_profiler(args: argparse.Namespace, rank: int, device: torch.device) -> Any:
+    """hpcgpu's train.profile over the same step numbers, or None without --profile-dir."""
+    if not args.profile_dir:
+        return None
+    import logging
+    from pathlib import Path
+
+    from hpcgpu.runtime.profile import StepProfiler
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # its line goes to stderr: stdout stays JSON
+    return StepProfiler.for_dir(Path(args.profile_dir), args.profile_start, args.profile_steps, rank, device,
+                                max_steps=args.warmup + args.steps)
 
 
 def main() -> None:
@@ -89,8 +116,11 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(args.seed + 1 + rank)
     x = torch.randint(0, args.vocab, (args.micro_batch * replicas, args.seq_len), device=device, generator=gen)
     autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else contextlib.nullcontext
+    profiler = step_profiler(args, rank, device)
+    steps_done = 0
 
     def step() -> torch.Tensor:
+        nonlocal steps_done
         for i in range(args.accum):
             quiet = model.no_sync() if ddp and i < args.accum - 1 else contextlib.nullcontext()
             with quiet:
@@ -99,6 +129,9 @@ def main() -> None:
                 (loss / args.accum if args.accum > 1 else loss).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        steps_done += 1
+        if profiler is not None:
+            profiler.after_step(steps_done)
         return loss
 
     loss = step()
@@ -112,6 +145,8 @@ def main() -> None:
         loss = step()
     sync(device)
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.close()
     final_loss = float(loss.detach().float().item())  # the only read-back of the loss
 
     gpus = world * replicas

@@ -77,6 +77,11 @@ class RunPaths:
         return self.run_dir / "outputs" / f"replica-{replica}.jsonl"
 
     @property
+    def profile(self) -> Path:
+        """train.profile: rank{R}.trace.json and rank{R}.txt of every rank."""
+        return self.run_dir / "profile"
+
+    @property
     def failures(self) -> Path:
         return self.run_dir / FAILURES_DIR
 

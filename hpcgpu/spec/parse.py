@@ -127,6 +127,8 @@ def _parse_union(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> A
         if type(None) in get_args(tp):
             return None
         raise lines.error(path, "must not be empty")
+    if len(args) == 1:  # Optional[X]: X's own error, which names a nested section's key (train.profile.steps)
+        return parse_value(args[0], value, path, lines, meta)
     errors: list[str] = []
     for arg in args:
         try:

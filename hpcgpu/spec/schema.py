@@ -202,6 +202,14 @@ class EarlyStopping:
 
 
 @dataclass(frozen=True)
+class Profile:
+    start_step: int = field(default=10, metadata=meta(
+        "the first profiled optimizer step (1-based); the step before it runs under the profiler as an "
+        "untimed warm-up", min=1))
+    steps: int = field(default=3, metadata=meta("optimizer steps profiled", min=1))
+
+
+@dataclass(frozen=True)
 class Train:
     global_batch_size: int = field(default=8, metadata=meta("sequences per optimizer step, on all GPUs", min=1))
     micro_batch_size: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
@@ -229,6 +237,10 @@ class Train:
     early_stopping: Optional[EarlyStopping] = field(default=None, metadata=meta(
         "stop when the eval loss has not improved for `patience` evals; keeps the best model in "
         "checkpoints/best/ (needs data.eval and train.eval_every)"))
+    profile: Optional[Profile] = field(default=None, metadata=meta(
+        "runs torch.profiler over steps start_step..start_step+steps-1 of this start (a start resumed past "
+        "start_step profiles nothing), writes <run dir>/profile/: rank{R}.trace.json (Perfetto, "
+        "chrome://tracing) and rank{R}.txt (time per step, GPU busy, top ops)"))
 
 
 @dataclass(frozen=True)

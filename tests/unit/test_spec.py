@@ -56,6 +56,7 @@ train:
   precision: bf16
   compile: false
   log_every: 10
+  profile: {start_step: 5, steps: 2}
 checkpoint: {every_steps: 500, every_minutes: 30, keep: 3, async: true}
 entry: "pkg.mod:fn"
 env: {WANDB_MODE: offline}
@@ -100,6 +101,7 @@ def test_every_design_key_parses_typed(write_spec, tmp_path):
     assert (t.global_batch_size, t.micro_batch_size, t.max_steps, t.warmup_steps, t.seed) == (64, 2, 1000, 100, 7)
     assert isinstance(t.lr, float) and t.lr == pytest.approx(1e-4)
     assert (t.precision, t.compile, t.log_every) == ("bf16", False, 10)
+    assert (t.profile.start_step, t.profile.steps) == (5, 2)
     c = spec.checkpoint
     assert (c.every_steps, c.every_minutes, c.keep, c.async_) == (500, 30.0, 3, True)
     assert isinstance(c.every_minutes, float)
@@ -115,6 +117,9 @@ def test_defaults_of_a_minimal_spec(write_spec):
     assert spec.distributed.strategy == "auto"
     assert spec.train.micro_batch_size == "auto" and spec.train.precision == "auto"
     assert spec.env == {} and spec.sweep == {}
+    assert spec.train.profile is None
+    profile = load_spec(write_spec(COMMAND + "train: {profile: {}}\n")).train.profile
+    assert profile is not None and (profile.start_step, profile.steps) == (10, 3)
 
 
 def _sections(obj, path="spec"):
@@ -209,6 +214,8 @@ BAD = [
     ("micro-not-dividing", "name: a\nmodel: {name_or_path: gpt2}\ndata: {train: t.txt}\n"
      "train:\n  global_batch_size: 8\n  micro_batch_size: 3\n", "train.micro_batch_size", ["divide"],
      "micro_batch_size"),
+    ("profile-steps-zero", COMMAND + "train:\n  profile:\n    start_step: 2\n    steps: 0\n", "train.profile.steps",
+     [">= 1, got 0"], "steps: 0"),
     ("offload-needs-zero3", COMMAND + "distributed:\n  deepspeed:\n    offload_params: true\n",
      "distributed.deepspeed.offload_params", ["zero_stage: 3"], "offload_params"),
     ("strategy-choice", COMMAND + "distributed:\n  strategy: fsdp\n", "distributed.strategy",
@@ -490,8 +497,9 @@ def test_full_spec_matches_the_schema(validator):
     {"task": "train"},
     {"name": "a", "env_passthrough": ["HF-TOKEN"]},
     {"name": "a", "env_passthrough": "HF_TOKEN"},
+    {"name": "a", "train": {"profile": {"steps": 0}}},
 ], ids=["misspelled-nested", "misspelled-top", "zero-gpus", "bad-time", "bad-name", "bad-task", "no-name",
-        "passthrough-name", "passthrough-not-list"])
+        "passthrough-name", "passthrough-not-list", "profile-steps"])
 def test_schema_rejects_what_the_loader_rejects(validator, doc):
     assert not validator.is_valid(doc)
 

@@ -1,5 +1,6 @@
-"""The built-in train task's features: gradient checkpointing, train.epochs, early stopping and the
-out-of-memory fallback of micro_batch_size: auto (CPU ranks; the OOM is the HPCGPU_OOM_AT_MICRO drill).
+"""The built-in train task's features: gradient checkpointing, train.epochs, early stopping, the
+out-of-memory fallback of micro_batch_size: auto (CPU ranks; the OOM is the HPCGPU_OOM_AT_MICRO drill)
+and train.profile.
 
 The runs are started together (submit_all); each is the tiny GPT-2 of conftest for a few steps.
 """
@@ -110,7 +111,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
     """ref: 2 ranks, micro 2 x accum 2; gc: the same with gradient checkpointing; oom: micro auto (4 on
     CPU) with the drill failing any micro batch above 2; oomfixed: micro 4 fixed under the same drill;
     epochs: 1 rank, 2 epochs of 433 // 96 = 4 steps; early: early stopping, preempted at step 4 (an
-    eval step: the eval there still counts)."""
+    eval step: the eval there still counts); profile: 2 ranks profiling steps 2-3; profilelate: a
+    window beyond its 3 steps."""
     drill = {"HPCGPU_OOM_AT_MICRO": "2"}
     specs = {
         "ref": ranks2("ref", gradient_checkpointing=False),
@@ -120,6 +122,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
         "epochs": train_spec("epochs", resources={"gpus": 1}, checkpoint={"every_steps": 4},
                              train={"max_steps": None, "epochs": 2, "global_batch_size": 96, "micro_batch_size": 8}),
         "early": early_spec("early", env={"HPCGPU_SIGNAL_AT": "4"}),
+        "profile": ranks2("profile", profile={"start_step": 2, "steps": 2}),
+        "profilelate": train_spec("profilelate", resources={"gpus": 1},
+                                  train={"max_steps": 3, "profile": {"start_step": 5, "steps": 2}}),
     }
     folders = {key: tmp_path_factory.mktemp(key) for key in specs}
     paths = {key: (write_spec_file(folders[key], spec), ()) for key, spec in specs.items()}
@@ -228,3 +233,25 @@ def test_a_fixed_micro_batch_that_runs_out_of_memory_is_one_line(jobs: dict) -> 
     assert len(errors) == 1 and errors[0].startswith("hpcgpu: error:"), out[-3000:]
     assert "on rank(s) 0, 1" in errors[0]  # both ranks agreed: neither waits for the other
     assert "`hpcgpu estimate` puts ddp at micro batch 4 at" in errors[0]
+
+
+@pytest.mark.slow
+def test_profile_writes_a_trace_and_a_summary_per_rank(jobs: dict) -> None:
+    run = finished(jobs["profile"], "profile")
+    for rank in (0, 1):
+        trace = json.loads((run / "profile" / f"rank{rank}.trace.json").read_text())
+        assert isinstance(trace["traceEvents"], list) and trace["traceEvents"]
+        summary = (run / "profile" / f"rank{rank}.txt").read_text()
+        assert summary.startswith(f"profile of steps 2-3 on rank {rank} (cpu") and "window: 2 step(s)" in summary
+        assert "aten::" in summary  # the top ops
+    assert [r["step"] for r in train_records(run)] == list(range(1, STEPS + 1))
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert f"profile of steps 2-3: {run / 'profile' / 'rank0.txt'}, " in log
+
+
+@pytest.mark.slow
+def test_a_profile_window_beyond_the_run_is_one_warning_and_no_profile(jobs: dict) -> None:
+    run = finished(jobs["profilelate"], "profilelate")
+    assert (run / "FINISHED").exists() and not (run / "profile").exists()
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert log.count("train.profile: steps 5-6 lie beyond this run's 3 steps; nothing is profiled") == 1

@@ -50,6 +50,7 @@ from hpcgpu.runtime.dist import any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
+from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.strategy import ddp_options
 from hpcgpu.runtime.track import open_tracking
@@ -689,9 +690,12 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
     bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
     steplog = StepLog(tr, metrics, bar)
     group = coordination_group(ctx.device)
+    profiler = StepProfiler(t.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device, first_step=tr.step,
+                            max_steps=tr.max_steps)
     try:
         while tr.step < tr.max_steps:
             loss_t = tr.train_step()
+            profiler.after_step(tr.step)
             inject_signal(ctx, tr)
             # every rank's flags, agreed on a gloo group in host memory: nothing here waits for the
             # GPU, so the launch queue stays full (the loss is read back only when it is logged)
@@ -722,6 +726,7 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
                 with steplog.not_step_time():
                     save_checkpoint(ctx, tr)
     finally:
+        profiler.close()
         if bar is not None:
             bar.close()
     ckpt.finish_pending()
