@@ -209,21 +209,39 @@ def test_weights_that_cannot_fit_the_copys_gpus_are_one_line_naming_the_setting_
     check_replica_fits(spec, LLAMA_8B, "bf16", torch.device("cuda", 0), MaxMemory(cpu=8 << 30))  # offload: fits
 
 
-@pytest.mark.parametrize("replicas", [2, 3, 4])
-def test_every_replica_gets_as_much_long_work_as_short(replicas: int) -> None:
-    """Rows of 1..768 tokens in batches of 8, dealt to the replicas: each replica's padded tokens are
-    within one batch's worth of the mean (round robin gave the last replica the longest batch of
-    every group, and so the most work), and every batch has exactly one owner."""
-    from hpcgpu.runtime.tasks.infer import batch_owner, make_batches
+def test_replicas_take_batches_from_one_queue_each_once_the_faster_more() -> None:
+    """Two replicas on one TCPStore (as the rendezvous makes): replica 0 runs three batches in the
+    time replica 1 runs one, so it takes three times as many; every batch is taken exactly once; the
+    numbers each records add up for rank 0's progress line; a stop one raises the other sees."""
+    import torch.distributed as dist
 
-    lengths = [1 + (i * 37) % 768 for i in range(768)]
-    batches = make_batches(lengths, 8)
-    work = [0] * replicas
-    for b, batch in enumerate(batches):
-        work[batch_owner(b, replicas)] += len(batch) * max(lengths[i] for i in batch)
-    mean = sum(work) / replicas
-    assert max(work) - min(work) <= 8 * 768, work
-    assert max(abs(w - mean) for w in work) / mean < 0.01
-    owners = [batch_owner(b, replicas) for b in range(len(batches))]
-    assert sorted(set(owners)) == list(range(replicas))
-    assert max(owners.count(r) for r in range(replicas)) - min(owners.count(r) for r in range(replicas)) <= 1
+    from hpcgpu.runtime.tasks.infer import WorkQueue
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+    fast, slow = WorkQueue(server, 16, 2, 0), WorkQueue(client, 16, 2, 1)
+    taken: dict[int, list[int]] = {0: [], 1: []}
+    while True:
+        got = [fast.take(), fast.take(), fast.take(), slow.take()]
+        for q, k in zip((0, 0, 0, 1), got):
+            if k is not None:
+                taken[q].append(k)
+        if None in got:
+            break
+    assert sorted(taken[0] + taken[1]) == list(range(16))
+    assert (len(taken[0]), len(taken[1])) == (12, 4)
+    assert fast.take() is None and slow.taken() == 16
+    fast.record(rows=8, prompt_tokens=100, completion_tokens=40, peak_bytes=5 << 30)
+    slow.record(rows=4, prompt_tokens=50, completion_tokens=20, peak_bytes=3 << 30)
+    fast.record(rows=8, prompt_tokens=100, completion_tokens=40, peak_bytes=4 << 30)  # its peak stays 5 GiB
+    assert slow.totals() == ([20, 250, 100], [5 << 30, 3 << 30])
+    assert not fast.stop_raised()
+    slow.raise_stop()
+    assert fast.stop_raised()
+
+
+def test_one_replica_has_its_queue_in_memory() -> None:
+    from hpcgpu.runtime.tasks.infer import WorkQueue
+
+    queue = WorkQueue.for_job(3, 1, 0)
+    assert [queue.take() for _ in range(4)] == [0, 1, 2, None] and queue.taken() == 3

@@ -2,16 +2,20 @@
 
 One rank is one replica: a whole copy of the model on its GPU (or a CPU rank). Every replica reads the
 whole input, tokenizes it, sorts the rows by (token length, input position) and cuts them into the same
-batches of the run plan's batch size; the batches are dealt to the replicas in snake order (0, 1, ..,
-R-1, R-1, .., 0, ...: batch_owner), so each replica gets as much long as short work. The batches (and so
-every output, greedy or sampled: sampling is seeded per batch from (infer.seed, batch number)) do not
-depend on the replica count: 1 and 2 replicas give the same outputs.jsonl, bit for bit on CPU.
+batches of the run plan's batch size. The batches, longest first, are a queue that the replicas take
+from one at a time (WorkQueue: an atomic counter in the process group's store), so a replica that
+runs faster (another card, a less busy host, shorter batches) takes more of them and all end within
+a batch of each other. The batches (and so every output, greedy or sampled: sampling is seeded per
+batch from (infer.seed, batch number)) do not depend on the replica count or on which replica runs
+which batch: 1 and 2 replicas give the same outputs.jsonl, bit for bit on CPU.
 
 Each replica appends the rows of a batch to outputs/replica-N.jsonl (runtime/infer_outputs.py) and
-posts its stop flag and progress counters to an all-reduce on a gloo group, read one round later
-(while its next batch runs: no replica waits each round for a slower one). A replica that got the
-stop signal itself runs no further batch. On an agreed stop (the preemption signal, SIGTERM, Ctrl-C)
-rank 0 requeues and every rank exits 75, as train does after its checkpoint; the rows written are
+adds its rows and tokens to counters in the same store; rank 0's progress line reads them. A replica
+that gets the stop signal raises a stop flag there and takes no further batch; the others see the
+flag before taking their next one, so each stops after its current batch. On a stop (the preemption
+signal, SIGTERM, Ctrl-C) rank 0 requeues and every rank exits 75, as train does after its
+checkpoint; the rows written are the checkpoint. A run where every batch ran is finished, a signal
+during the last batches or not. A resumed job skips every row
 the checkpoint. A resumed job skips every row
 some replica wrote (any replica count: all the replica files are read), redoes a batch only partly
 written (a kill -9) whole and writes just its missing rows: never a duplicate, never a dropped row.
@@ -185,17 +189,9 @@ def file_digest(path: str) -> str:
 
 def make_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Row indices sorted by (token length, input position), cut into batches: the same batches for
-    any replica count (batch_owner says whose each is)."""
+    any replica count (the replicas take them from a WorkQueue)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def batch_owner(batch: int, replicas: int) -> int:
-    """The replica that runs batch number `batch` of the length-sorted batches: dealt in snake order,
-    so that no replica gets the longest batch of every group of `replicas` (round robin would give the
-    last replica the most tokens and make the others wait for it at the end)."""
-    turn, seat = divmod(batch, replicas)
-    return seat if turn % 2 == 0 else replicas - 1 - seat
 
 
 def batch_seed(seed: int, batch: int) -> int:
@@ -446,35 +442,53 @@ def all_sum(values: list[float], group: Any) -> list[float]:
     return t.tolist()
 
 
-class LaggedSum:
-    """Every replica's numbers of a round, summed over the replicas and read one round late: a replica
-    posts its numbers (an async all-reduce) and runs its next batch while they travel, so no replica
-    waits each round for a slower one's batch; it waits only if another is a whole batch behind."""
+class WorkQueue:
+    """The batches left, handed to whichever replica asks next, and the numbers the replicas share
+    while they run: rows and tokens written, each replica's peak GPU memory, the stop flag. All live
+    in the process group's store (torch.distributed's TCPStore of the rendezvous; an in-memory
+    HashStore for one replica): `add` is atomic there, so each batch is taken exactly once."""
 
-    def __init__(self, group: Any):
-        self.group = group
-        self.pending: tuple[torch.Tensor, Any] | None = None
+    KEY = "hpcgpu/infer/"
+    TOTALS = ("rows", "prompt_tokens", "completion_tokens")
 
-    def post(self, values: list[float]) -> list[float] | None:
-        """Post this round's numbers; the previous round's sums (None in the first round)."""
-        t = torch.tensor(values, dtype=torch.float64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) \
-            if self.group is not None else None
-        previous, self.pending = self.pending, (t, work)
-        return self._settle(previous)
+    def __init__(self, store: Any, size: int, replicas: int, rank: int):
+        self.store, self.size, self.replicas, self.rank = store, size, replicas, rank
+        self._peak = 0
 
-    def drain(self) -> list[float] | None:
-        previous, self.pending = self.pending, None
-        return self._settle(previous)
+    @classmethod
+    def for_job(cls, size: int, replicas: int, rank: int) -> "WorkQueue":
+        store = dist.distributed_c10d._get_default_store() if replicas > 1 else dist.HashStore()
+        return cls(store, size, replicas, rank)
 
-    @staticmethod
-    def _settle(posted: tuple[torch.Tensor, Any] | None) -> list[float] | None:
-        if posted is None:
-            return None
-        t, work = posted
-        if work is not None:
-            work.wait()
-        return t.tolist()
+    def _add(self, key: str, n: int) -> int:
+        return int(self.store.add(self.KEY + key, n))
+
+    def take(self) -> int | None:
+        """The next batch (its position in the queue), or None when every one is taken."""
+        k = self._add("next", 1) - 1
+        return k if k < self.size else None
+
+    def taken(self) -> int:
+        return min(self._add("next", 0), self.size)
+
+    def raise_stop(self) -> None:
+        self._add("stop", 1)
+
+    def stop_raised(self) -> bool:
+        return self._add("stop", 0) > 0
+
+    def record(self, rows: int, prompt_tokens: int, completion_tokens: int, peak_bytes: int) -> None:
+        for key, n in zip(self.TOTALS, (rows, prompt_tokens, completion_tokens)):
+            if n:
+                self._add(key, n)
+        if peak_bytes > self._peak:  # kept as the sum of this replica's increases: the store has no max
+            self._add(f"peak/{self.rank}", peak_bytes - self._peak)
+            self._peak = peak_bytes
+
+    def totals(self) -> tuple[list[int], list[int]]:
+        """(rows, prompt tokens, generated tokens) written by every replica, and each one's peak memory."""
+        return ([self._add(key, 0) for key in self.TOTALS],
+                [self._add(f"peak/{r}", 0) for r in range(self.replicas)])
 
 
 def inject_signal(ctx: Context, iteration: int, fresh: bool) -> None:
@@ -500,10 +514,11 @@ class Progress:
         self.done, self.prompt_tokens, self.completion_tokens, self.peak_gib = done, 0, 0, None
         self.t0 = self.last = time.perf_counter()
 
-    def add(self, rows: float, prompt: float, completion: float, peaks: list[float]) -> None:
-        self.done += int(rows)
-        self.prompt_tokens += int(prompt)
-        self.completion_tokens += int(completion)
+    def update(self, totals: tuple[list[int], list[int]]) -> None:
+        """From WorkQueue.totals(): what every replica wrote in this start so far."""
+        (rows, prompt, completion), peaks = totals
+        self.done = self.start_done + rows
+        self.prompt_tokens, self.completion_tokens = prompt, completion
         if any(p > 0 for p in peaks):
             self.peak_gib = max(peaks) / 2 ** 30
 
@@ -604,74 +619,54 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
 
 def _replica_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
                   metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, Progress]:
-    replicas, rank = ctx.world_size, ctx.rank
+    # every replica reads every replica file (after rank 0's repair and a barrier): the same queue
     done = outputs.done_rows(paths, rows)
-    mine = [(b, batch) for b, batch in enumerate(batches) if batch_owner(b, replicas) == rank]
-    # the longest batches first: an out-of-memory shows at once, and a static KV cache sized by the
-    # first batch serves every later one
-    todo = [(b, batch) for b, batch in reversed(mine) if any(i not in done for i in batch)]
-    written_mine = sum(1 for _, batch in mine for i in batch if i in done)
-    group = coordination_group(ctx.device)
-    # one collective: every replica's batches left and rows written, in its own slots
-    counts = [0.0] * (2 * replicas)
-    counts[2 * rank], counts[2 * rank + 1] = len(todo), written_mine
-    counts = all_sum(counts, group)
-    rounds, written = int(max(counts[0::2])), int(sum(counts[1::2]))
+    # the longest batches first: an out-of-memory shows at once, a static KV cache sized by the
+    # first batch serves every later one, and the short batches at the end even out the replicas
+    todo = [(b, batch) for b, batch in reversed(list(enumerate(batches))) if any(i not in done for i in batch)]
+    written = len(done)
     fresh = written == 0
-    if written:
+    if written and ctx.is_main:
         metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
         log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
     progress = Progress(ctx, metrics, len(rows), written)
-    agree = LaggedSum(group)
-
-    def account(totals: list[float] | None, it: int) -> None:
-        if totals is not None:  # [stop, rows, prompt tokens, generated tokens, skipped, *peak memory]
-            progress.add(totals[1], totals[2], totals[3], totals[5:])
-            progress.maybe_log(it == 0, it == rounds - 1)
-
-    with outputs.ReplicaWriter(paths.replica_outputs(rank)) as writer:
-        for it in range(rounds):
-            # a replica that got the stop signal itself runs no further batch; the others learn of
-            # it a round later (the sums of a round are read while the next batch runs)
-            stopping = ctx.stop_flag.is_set
-            result, new = None, []
-            if it < len(todo) and not stopping:
-                number, batch = todo[it]
-                with times.timing("batches_s"):
-                    result = engine.run(number, batch)
-                if it == 0:
-                    times.first_batch_s = times.batches_s
-                # a batch partly written before (a kill -9 mid-write) is redone whole: only its
-                # missing rows are written
-                new = [r for r in result.records if r["index"] not in done]
-                with times.timing("write_s"):
-                    writer.write(new)
-            inject_signal(ctx, it + 1, fresh)
-            with times.timing("wait_s"):
-                previous = agree.post(round_numbers(ctx, result, len(new), skipped=it < len(todo) and stopping))
-            account(previous, it - 1)
-            if previous is not None and previous[0] > 0:  # a stop, agreed on the previous round
-                with times.timing("wait_s"):
-                    current = agree.drain()
-                account(current, it)
-                every_batch_ran = it == rounds - 1 and previous[4] == 0 and current is not None and current[4] == 0
-                return ("finished" if every_batch_ran else "stopped"), progress
-        with times.timing("wait_s"):
-            final = agree.drain()
-        account(final, rounds - 1)
-    if final is not None and final[4] > 0:  # a replica stopped before its last batch
-        return "stopped", progress
-    return "finished", progress
+    queue = WorkQueue.for_job(len(todo), ctx.world_size, ctx.rank)
+    ran = 0
+    with outputs.ReplicaWriter(paths.replica_outputs(ctx.rank)) as writer:
+        while True:
+            if ctx.stop_flag.is_set:  # this replica got the signal: the others stop after their batch
+                queue.raise_stop()
+            if queue.stop_raised():
+                break
+            k = queue.take()
+            if k is None:
+                break
+            number, batch = todo[k]
+            with times.timing("batches_s"):
+                result = engine.run(number, batch)
+            if ran == 0:
+                times.first_batch_s = times.batches_s
+            ran += 1
+            # a batch partly written before (a kill -9 mid-write) is redone whole: only its missing
+            # rows are written
+            new = [r for r in result.records if r["index"] not in done]
+            with times.timing("write_s"):
+                writer.write(new)
+            queue.record(len(new), result.prompt_tokens, result.completion_tokens, peak_memory(ctx.device))
+            inject_signal(ctx, ran, fresh)
+            if ctx.is_main:
+                progress.update(queue.totals())
+                progress.maybe_log(ran == 1, False)
+    with times.timing("wait_s"):
+        all_sum([0.0], coordination_group(ctx.device))  # every replica is past its last batch
+    progress.update(queue.totals())
+    progress.maybe_log(False, True)
+    # every batch taken ran to its end: a signal during the last ones stops nothing
+    return ("finished" if queue.taken() == len(todo) else "stopped"), progress
 
 
-def round_numbers(ctx: Context, result: BatchResult | None, new_rows: int, skipped: bool) -> list[float]:
-    """This replica's slots of a round's sums: the stop flag, rows written, prompt and generated
-    tokens, a batch skipped for the stop, and its peak GPU memory in its own slot."""
-    peaks = [0.0] * ctx.world_size
-    if ctx.device.type == "cuda":
-        peaks[ctx.rank] = float(torch.cuda.max_memory_allocated(ctx.device))
-    return [1.0 if ctx.stop_flag.is_set else 0.0, float(new_rows), result.prompt_tokens if result else 0,
-            result.completion_tokens if result else 0, 1.0 if skipped else 0.0, *peaks]
+def peak_memory(device: torch.device) -> int:
+    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
 
 
 # ---------------------------------------------------------------- the task
