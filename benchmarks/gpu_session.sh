@@ -16,7 +16,8 @@
 #            counts, default 1,2[,4], pooled over calls in /tmp/ib; a round ~ rows x sum(1/width) / 34 s
 #            of loops + ~22 s a process on H100s), infer-tests,
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
-#            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round)
+#            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round),
+#            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,8 @@ run_step() {
     train-round) fits 200 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${BENCH_GPUS:-1,2}" \
         --repeats 1 --work /tmp/tvl --append /tmp/tvl/rounds.json \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30 ;;
+    train-profile) fits 240 && mkdir -p /tmp/tvl && step python3 benchmarks/profile_step.py --gpus 2 --work /tmp/tvl 2>&1 \
+        | tee "$OUT/profile_step.log" | grep -vE "^ +[a-zA-Z_:.]+ +[0-9.]+%" | tail -40 ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
