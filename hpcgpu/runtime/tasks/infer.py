@@ -619,13 +619,15 @@ def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batche
 
 def _replica_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
                   metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, Progress]:
-    # every replica reads every replica file (after rank 0's repair and a barrier): the same queue
+    # every replica reads every replica file (after rank 0's repair and a barrier)
     done = outputs.done_rows(paths, rows)
     # the longest batches first: an out-of-memory shows at once, a static KV cache sized by the
     # first batch serves every later one, and the short batches at the end even out the replicas
     todo = [(b, batch) for b, batch in reversed(list(enumerate(batches))) if any(i not in done for i in batch)]
     written = len(done)
     fresh = written == 0
+    # no replica writes before every one has read the files: the same queue on every replica
+    all_sum([0.0], coordination_group(ctx.device))
     if written and ctx.is_main:
         metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
         log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
