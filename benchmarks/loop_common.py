@@ -35,6 +35,8 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)
+    if getattr(args, "name_loss", False):  # what hpcgpu does (runtime/model.py name_its_loss): one graph
+        model.loss_type = "ForCausalLM"
     return model.train()
 
 

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc_per_node N benchmarks/loop_minimal.py [--steps 600] [--warmup 50]
 
 Hugging Face GPT2LMHeadModel from a config (random init, seeded; sdpa attention, dropout 0, vocab
-50304; default GPT-2 124M), compiled whole (torch.compile of the model, then DDP with its default
+50304; default GPT-2 124M; its forward with the loss compiles as two graphs, split by transformers'
+warning about the unnamed loss, unless --name-loss), compiled whole (torch.compile of the model, then DDP with its default
 buckets when WORLD_SIZE > 1: the order hpcgpu and nanoGPT use), fused AdamW (on CUDA), bf16 autocast
 (on CUDA; fp32 on the CPU unless --precision says otherwise). One fixed random batch, made on the
 device once: no data pipeline at all. Each step is loss.backward(); opt.step();
@@ -54,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=600, help="timed optimizer steps, after --warmup")
     ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (>= 1; step 1 compiles)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
+    ap.add_argument("--name-loss", action="store_true",
+                    help="model.loss_type = 'ForCausalLM', as hpcgpu sets it: GPT2LMHeadModel's forward then compiles "
+                         "as one graph, not two (transformers' warning about the unnamed loss is a graph break)")
     ap.add_argument("--compile-outer", action="store_true",
                     help="compile the DDP-wrapped module instead (DDPOptimizer splits the graph at buckets)")
     ap.add_argument("--data-parallel", action="store_true",

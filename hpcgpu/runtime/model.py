@@ -31,16 +31,26 @@ def build_model(spec: Spec, seed: int, device: torch.device | None = None, *,
         if load_on_device and device is not None and device.type == "cuda":
             kwargs["device_map"] = {"": str(device)}
         try:
-            return AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, dtype=dtype or torch.float32,
-                                                        **kwargs)
+            return name_its_loss(AutoModelForCausalLM.from_pretrained(
+                spec.model.name_or_path, dtype=dtype or torch.float32, **kwargs))
         except torch.OutOfMemoryError:
             raise
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise cannot_load(spec, exc) from None
     config = config_of_spec(spec)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(config)
+        model = name_its_loss(AutoModelForCausalLM.from_config(config))
     return model.to(dtype) if dtype else model
+
+
+def name_its_loss(model: Any) -> Any:
+    """A causal LM whose class name does not say its loss (GPT2LMHeadModel) makes transformers warn in
+    every forward with labels, and under torch.compile that warning is a graph break: the forward
+    compiles as two graphs with a return to Python between them, every step. Naming the loss it
+    uses anyway (ForCausalLM) makes it one graph, with the same numbers."""
+    if hasattr(model, "loss_type") and getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def cannot_load(spec: Spec, exc: BaseException) -> HpcgpuError:

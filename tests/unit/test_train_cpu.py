@@ -164,3 +164,25 @@ def test_missing_data_file_exits_2_with_one_line(jobs: dict) -> None:
 
 def test_vocab_too_small_for_byte_tokenizer_exits_2_with_one_line(jobs: dict) -> None:
     assert_one_line_error(jobs["smallvocab"][0], "vocab_size 100")
+
+
+def test_a_gpt2_model_compiles_as_one_graph_with_the_same_loss(tmp_path: Path) -> None:
+    """GPT2LMHeadModel's class name does not say its loss: transformers warns in its forward, which
+    torch.compile turns into a graph break every step. The model hpcgpu builds names it: one graph,
+    the same loss as the model transformers builds."""
+    import torch
+    import torch._dynamo
+    from transformers import AutoModelForCausalLM
+
+    from hpcgpu.runtime.model import build_model, config_of_spec
+    from hpcgpu.spec import load_spec
+
+    spec = load_spec(write_spec_file(tmp_path, train_spec("gpt2-graph")))
+    x = torch.randint(0, 256, (2, 16))
+    model = build_model(spec, 0)
+    plain = AutoModelForCausalLM.from_config(config_of_spec(spec))
+    plain.load_state_dict(model.state_dict())
+    explained = torch._dynamo.explain(model)(input_ids=x, labels=x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    assert torch._dynamo.explain(plain)(input_ids=x, labels=x).graph_break_count == 1  # what it fixes
+    assert torch.equal(model(input_ids=x, labels=x).loss, plain(input_ids=x, labels=x).loss)
