@@ -17,7 +17,8 @@
 #            of loops + ~22 s a process on H100s), infer-tests,
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round),
-#            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs)
+#            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs),
+#            profile-test (tests/gpu: train.profile's kernel and NCCL times on 2 GPUs)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +50,7 @@ run_step() {
     infer-tests) fits 120 && pytest_gpu tests/gpu/test_gpu_infer.py -k "two_replicas or split" \
         | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
     observe-tests) fits 90 && pytest_gpu tests/gpu/test_gpu_observe.py | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
+    profile-test) fits 90 && pytest_gpu tests/gpu/test_gpu_train.py -k profile | tee -a "$OUT/gpu_tests.log" | tail -30 ;;
     own-model-tests) fits 180 && pytest_gpu tests/gpu/test_gpu_prepare.py tests/gpu/test_gpu_train.py \
         tests/gpu/test_gpu_layer.py -k "sync_batchnorm or does_not_fit or gradient_checkpointing" \
         | tee -a "$OUT/gpu_tests.log" | tail -20 ;;

@@ -193,3 +193,23 @@ def test_a_fixed_micro_batch_that_does_not_fit_is_one_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in out, out[-3000:]
     lines = [line for line in out.splitlines() if "train.micro_batch_size: 256 does not fit in GPU memory" in line]
     assert len(lines) == 1 and lines[0].startswith("hpcgpu: error:") and "`hpcgpu estimate` puts" in lines[0], out
+
+
+@two_gpus
+def test_profile_of_two_gpu_steps_times_kernels_and_nccl(tmp_path):
+    """train.profile on 2 GPUs (DDP, compiled): each rank writes a Chrome trace with GPU kernels and a
+    summary whose kernel, NCCL and compute times per step are real (the CPU tests see no kernels)."""
+    spec = train_spec(2, steps=8)
+    spec["train"]["profile"] = {"start_step": 5, "steps": 2}
+    proc, run_dir = submit(spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        trace = json.loads((run_dir / "profile" / f"rank{rank}.trace.json").read_text())
+        assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+        text = (run_dir / "profile" / f"rank{rank}.txt").read_text()
+        assert f"profile of steps 5-6 on rank {rank} (cuda:{rank}" in text, text[:500]
+        line = next(x for x in text.splitlines() if x.startswith("device time per step"))
+        kernels, nccl, compute = (float(line.split(name)[1].split(" ms")[0]) for name in
+                                  ("all kernels ", "NCCL ", "compute "))
+        assert kernels > 0 and nccl > 0 and compute > 0 and abs(kernels - nccl - compute) < 0.2, line
+    print("\n" + (run_dir / "profile" / "rank0.txt").read_text()[:1500])
