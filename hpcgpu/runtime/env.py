@@ -9,10 +9,11 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from hpcgpu.contract import ENV_LAUNCHER, ENV_NODE_GPUS
 from hpcgpu.errors import EnvironmentError_
+from hpcgpu.gpu import nvml
 from hpcgpu.hostlist import expand_hostlist, port_for_job
 
 LAUNCHERS = ("slurm", "local", "torchrun", "single")
@@ -124,7 +125,8 @@ class DistEnv:
                 f"(CUDA_VISIBLE_DEVICES={','.join(self.visible_devices)}); ask for one task per GPU")
 
 
-def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None) -> DistEnv:
+def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None,
+                   node_gpus: Callable[[], int] | None = None) -> DistEnv:
     """A task with a GPU group of its own (an infer replica: a model copy over gpus_per_task GPUs, one
     included) keeps only that group visible: GPUs [g * local rank, g * local rank + g) of those the
     node's tasks all see (SLURM's --gres, the local executor), or all it sees where SLURM bound the
@@ -140,6 +142,8 @@ def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None) -> DistE
     target = os.environ if environ is None else environ
     visible = env.visible_devices
     if visible is None:  # nothing set: the node's GPUs in order, as many as its tasks need
+        if (node_gpus or nvml.gpu_count)() == 0:
+            return env  # no GPU here (CPU ranks): nothing to narrow, and no CUDA_VISIBLE_DEVICES=0 to mislead
         visible = tuple(str(i) for i in range(env.local_world_size * g))
     if len(visible) == g:
         group = visible

@@ -93,8 +93,12 @@ def test_each_task_sees_only_its_group_of_gpus() -> None:
     assert target["CUDA_VISIBLE_DEVICES"] == "2,3"
     # nothing set: the node's GPUs in order
     target = {}
-    bind_gpu_group(env_of(1, 2, None, 2), target)
+    bind_gpu_group(env_of(1, 2, None, 2), target, node_gpus=lambda: 4)
     assert target["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # nothing set and no GPU on the node (CPU ranks): nothing to narrow
+    target = {}
+    bind_gpu_group(env_of(1, 2, None, 2), target, node_gpus=lambda: 0)
+    assert target == {}
 
 
 def test_too_few_gpus_for_the_groups_is_one_clear_error() -> None:
