@@ -60,16 +60,14 @@ import json
 import os
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import gpu_name, nvidia_smi_names, rotated, spread
+from bench_common import gpu_name, nvidia_smi_names, rotated, spread, work_dir
 
 REPO = Path(__file__).resolve().parent.parent
 PLAIN = REPO / "benchmarks" / "plain_generate.py"
@@ -625,20 +623,10 @@ def main(argv: list[str]) -> int:
         ap.error("need 1 <= --min-prompt <= --max-prompt")
 
     t0 = time.perf_counter()
-    tmp = None
-    if args.work is None:
-        tmp = tempfile.mkdtemp(prefix="infer-bench-")
-        work = Path(tmp)
-    else:
-        work = args.work.resolve()
-        work.mkdir(parents=True, exist_ok=True)
-    try:
+    with work_dir(args.work, "infer-bench-") as work:
         model_dir = work / f"model-{args.model}-v{args.vocab_size}-s{args.seed}"
         info = make_model(model_dir, args.model, args.vocab_size, args.seed)
         report = (scaling if args.scaling else throughput)(args, work, model_dir, info)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     report["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report["total_s"] = time.perf_counter() - t0
     print(f"(whole benchmark: {report['total_s']:.0f} s)", flush=True)

@@ -21,9 +21,9 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from bench_common import work_dir
 from train_vs_loops import child_env, hpcgpu_spec, launch, loop_cmd, random_text, tail
 
 
@@ -96,23 +96,13 @@ def main(argv: list[str]) -> int:
     a = settings(args.smoke)
     if args.smoke:
         args.start, args.steps = 3, 2
-    tmp = None
-    if args.work is None:
-        tmp = tempfile.mkdtemp(prefix="profile-step-")
-        work = Path(tmp)
-    else:
-        work = args.work.resolve()
-        work.mkdir(parents=True, exist_ok=True)
-    try:
+    with work_dir(args.work, "profile-step-") as work:
         (work / "inductor-cache").mkdir(exist_ok=True)
         data = work / f"data-{a.data_tokens}-s{a.seed}.txt"
         if not data.exists():
             random_text(data, a.data_tokens, a.seed)
         print(profile_minimal(a, work, args.gpus, args.start, args.steps, args.timeout), flush=True)
         print(profile_hpcgpu(a, work, data, args.gpus, args.start, args.steps, args.timeout), flush=True)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -73,6 +73,7 @@ would see it); it does not import torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -84,12 +85,11 @@ import statistics
 import string
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import gpu_name, nvidia_smi_names, rotated, spread
+from bench_common import gpu_name, nvidia_smi_names, rotated, spread, work_dir
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPS = {"minimal": REPO / "benchmarks" / "loop_minimal.py", "careful": REPO / "benchmarks" / "loop_careful.py"}
@@ -613,13 +613,8 @@ def main(argv: list[str]) -> int:
         ap.error(f"--data-tokens {args.data_tokens}: fewer than one global batch of sequences at {counts[-1]} GPUs")
 
     t_start = time.time()
-    tmp = None
-    if args.work is None:
-        tmp = tempfile.mkdtemp(prefix="train-vs-loops-")
-        work = Path(tmp)
-    else:
-        work = args.work.resolve()
-        work.mkdir(parents=True, exist_ok=True)
+    workspace = contextlib.ExitStack()  # closed in the finally below, after the last report
+    work = workspace.enter_context(work_dir(args.work, "train-vs-loops-"))
     setup = run_setup(args, gpu)
     results, notes = earlier(args, setup)
     results = {g: {p: list(v) for p, v in res.items()} for g, res in results.items()}
@@ -705,8 +700,7 @@ def main(argv: list[str]) -> int:
         pass
     finally:
         rep = report()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        workspace.close()
     print_report(args, rep)
     print(f"(whole benchmark: {rep['total_s']:.0f} s)", flush=True)
     return 1 if failed else 0

@@ -83,6 +83,13 @@ def coordination_group(device: torch.device) -> Any:
     return _COORDINATION
 
 
+def coordination_barrier(device: torch.device) -> None:
+    """Every rank got here (on the coordination group: no GPU stream is waited for)."""
+    group = coordination_group(device)
+    if group is not None:
+        dist.barrier(group=group)
+
+
 def reset_coordination_group() -> None:
     global _COORDINATION
     _COORDINATION = None

@@ -126,7 +126,7 @@ class DistEnv:
 
 
 def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None,
-                   node_gpus: Callable[[], int] | None = None) -> DistEnv:
+                   node_gpus: Callable[[], int] = nvml.gpu_count) -> DistEnv:
     """A task with a GPU group of its own (an infer replica: a model copy over gpus_per_task GPUs, one
     included) keeps only that group visible: GPUs [g * local rank, g * local rank + g) of those the
     node's tasks all see (SLURM's --gres, the local executor), or all it sees where SLURM bound the
@@ -142,7 +142,7 @@ def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None,
     target = os.environ if environ is None else environ
     visible = env.visible_devices
     if visible is None:  # nothing set: the node's GPUs in order, as many as its tasks need
-        if (node_gpus or nvml.gpu_count)() == 0:
+        if node_gpus() == 0:
             return env  # no GPU here (CPU ranks): nothing to narrow, and no CUDA_VISIBLE_DEVICES=0 to mislead
         visible = tuple(str(i) for i in range(env.local_world_size * g))
     if len(visible) == g:

@@ -48,7 +48,7 @@ def name_its_loss(model: Any) -> Any:
     every forward with labels, and under torch.compile that warning is a graph break: the forward
     compiles as two graphs with a return to Python between them, every step. Naming the loss it
     uses anyway (ForCausalLM) makes it one graph, with the same numbers."""
-    if hasattr(model, "loss_type") and getattr(model, "loss_type", None) is None:
+    if getattr(model, "loss_type", "") is None:
         model.loss_type = "ForCausalLM"
     return model
 

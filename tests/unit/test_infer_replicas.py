@@ -176,7 +176,7 @@ def test_a_stop_ends_the_loop_at_once_and_only_a_complete_run_finishes(tmp_path:
     rows = [Row(index=i, id=i, line=i + 1, prompt="p") for i in range(5)]
     engine = StopAt(ctx, stop_at)
     metrics = MetricsWriter(tmp_path / "metrics.jsonl", enabled=True)
-    result, progress = infer_loop(ctx, spec, RunPaths(tmp_path), engine, [[i] for i in range(5)], metrics, rows)
+    result, progress = infer_loop(ctx, RunPaths(tmp_path), engine, [[i] for i in range(5)], metrics, rows)
     metrics.close()
     assert (result, engine.ran, progress.done) == (outcome, batches_run, batches_run)
 

@@ -57,7 +57,7 @@ from hpcgpu.infer_rows import Row, read_rows
 from hpcgpu.runtime import infer_outputs as outputs
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
-from hpcgpu.runtime.dist import coordination_group
+from hpcgpu.runtime.dist import coordination_barrier, coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.model import load_for_inference, model_config, placement
@@ -565,8 +565,8 @@ def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int,
 
 @dataclass
 class ReplicaTimes:
-    """Where one replica's loop time went: running batches (its first, cold one apart), writing
-    them, and waiting for the others' numbers of the round before (a replica a batch behind)."""
+    """Where one replica's loop time went: running batches (the first, cold one also on its own),
+    writing them, and waiting at the end for the replicas still running their last batch."""
 
     batches_s: float = 0.0
     first_batch_s: float = 0.0
@@ -603,21 +603,18 @@ def describe_times(times: dict[str, list[float]]) -> str:
             f"s), writing {span('write_s')} s, waiting for the others {span('wait_s')} s")
 
 
-def infer_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
+def infer_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[list[int]],
                metrics: MetricsWriter, rows: Sequence[Row],
                times: ReplicaTimes | None = None) -> tuple[str, Progress]:
-    """This replica's batches; returns ('finished' | 'stopped', progress). Collective: every replica
-    goes round the loop the same number of times (the most batches any replica has left). `times`
-    gets where this replica's loop time went."""
+    """This replica's share of the batches, taken from the queue until it is empty or a stop is
+    raised; returns ('finished' | 'stopped', progress). Collective: a barrier before the first batch
+    and one after the last. `times` gets where this replica's loop time went."""
     times = times if times is not None else ReplicaTimes()
-    t_loop = time.perf_counter()
-    try:
-        return _replica_loop(ctx, spec, paths, engine, batches, metrics, rows, times)
-    finally:
-        times.loop_s = time.perf_counter() - t_loop
+    with times.timing("loop_s"):
+        return _replica_loop(ctx, paths, engine, batches, metrics, rows, times)
 
 
-def _replica_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, batches: list[list[int]],
+def _replica_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[list[int]],
                   metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, Progress]:
     # every replica reads every replica file (after rank 0's repair and a barrier)
     done = outputs.done_rows(paths, rows)
@@ -626,8 +623,7 @@ def _replica_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, bat
     todo = [(b, batch) for b, batch in reversed(list(enumerate(batches))) if any(i not in done for i in batch)]
     written = len(done)
     fresh = written == 0
-    # no replica writes before every one has read the files: the same queue on every replica
-    all_sum([0.0], coordination_group(ctx.device))
+    coordination_barrier(ctx.device)  # no replica writes before every one has read: the same queue on each
     if written and ctx.is_main:
         metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
         log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
@@ -660,7 +656,7 @@ def _replica_loop(ctx: Context, spec: Spec, paths: RunPaths, engine: Engine, bat
                 progress.update(queue.totals())
                 progress.maybe_log(ran == 1, False)
     with times.timing("wait_s"):
-        all_sum([0.0], coordination_group(ctx.device))  # every replica is past its last batch
+        coordination_barrier(ctx.device)  # every replica is past its last batch
     progress.update(queue.totals())
     progress.maybe_log(False, True)
     # every batch taken ran to its end: a signal during the last ones stops nothing
@@ -733,7 +729,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
                     enabled=spec.monitor.enabled and ctx.device.type == "cuda",
                     on_sample=tracking.gpu_sample if tracking is not None and tracking.active else None):
         times = ReplicaTimes()
-        outcome, progress = infer_loop(ctx, spec, paths, engine, batches, metrics, rows, times)
+        outcome, progress = infer_loop(ctx, paths, engine, batches, metrics, rows, times)
     if outcome == "stopped":
         return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")
     replica_times = times.every_replica(ctx)  # collective: also every replica's rows are on disk
