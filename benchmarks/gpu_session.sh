@@ -59,8 +59,10 @@ run_step() {
     train-round) fits 200 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${BENCH_GPUS:-1,2}" \
         --repeats 1 --work /tmp/tvl --append /tmp/tvl/rounds.json \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30 ;;
-    train-profile) fits 240 && mkdir -p /tmp/tvl && step python3 benchmarks/profile_step.py --gpus 2 --work /tmp/tvl 2>&1 \
-        | tee "$OUT/profile_step.log" | grep -vE "^ +[a-zA-Z_:.]+ +[0-9.]+%" | tail -40 ;;
+    train-profile) fits 240 && mkdir -p /tmp/tvl && step env OUT="$OUT" python3 benchmarks/profile_step.py --gpus 2 --work /tmp/tvl 2>&1 \
+        | tee "$OUT/profile_step.log" | grep -vE "^ +[a-zA-Z_:.]+ +[0-9.]+%" | tail -40
+      # profile_step.py copies each program's traces to $OUT/profile/{minimal,hpcgpu}: one archive comes back, not ~8 files
+      [ -d "$OUT/profile" ] && tar czf "$OUT/profiles.tgz" -C "$OUT" profile && rm -rf "$OUT/profile" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

@@ -216,6 +216,11 @@ class CheckpointManager:
     def pending(self) -> bool:
         return self._pending is not None
 
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the asynchronous save still being written, if any."""
+        return self._pending[2] if self._pending is not None else None
+
     def pending_done(self) -> bool:
         return self._pending is None or self._pending[0].done()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,6 +103,54 @@ def any_rank(flags: list[bool], group: Any) -> list[bool]:
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [v > 0 for v in t.tolist()]
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """Flags agreed across ranks, and the step at which the ranks posted them (None: nothing agreed
+    yet). What happened after that step (a save, a signal) is not in them."""
+    flags: list[bool]
+    step: int | None
+
+
+class LaggedFlags:
+    """The training loop's per-step agreement, one step late. Each step posts this rank's flags (an
+    asynchronous MAX all-reduce on the gloo coordination group) and returns what the ranks posted the
+    step before, which has had a whole step to arrive. A blocking all-reduce every step would hold
+    each rank's CPU until the slowest rank reached it, the time in which it would otherwise queue the
+    next step's kernels. Every rank sees the same agreement at the same step, so they still act
+    together; one rank (no group) lags alike, so a run behaves the same at every width."""
+
+    def __init__(self, count: int, group: Any):
+        self.count, self.group = count, group
+        self._posted: tuple[torch.Tensor, Any, int] | None = None
+
+    def exchange(self, flags: list[bool], step: int) -> Agreed:
+        """Post `flags` (as of `step`); return the agreement posted at the previous call."""
+        agreed = self._collect()
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        work = None
+        if self.group is not None:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._posted = (t, work, step)
+        return agreed
+
+    def _collect(self) -> Agreed:
+        if self._posted is None:
+            return Agreed([False] * self.count, None)
+        t, work, step = self._posted
+        self._posted = None
+        if work is not None:
+            work.wait()
+        return Agreed([v > 0 for v in t.tolist()], step)
+
+    def drain(self) -> None:
+        """Wait for the last post (every rank posted it): the group is idle for what follows."""
+        self._collect()
+
+    def abandon(self) -> None:
+        """Forget the last post without waiting (a rank failed: its peers may never answer)."""
+        self._posted = None
 
 
 def agreed_min(value: int, device: torch.device) -> int:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -117,63 +119,109 @@ class StepProfiler:
         text = self.out_dir / f"rank{self.rank}.txt"
         text.write_text(header + summarize(prof, self.recorded, wall_s, self.device.type))
         if self.rank == 0:
-            busy = device_times(prof).busy(wall_s) if self.device.type == "cuda" else None
+            t = device_times(device_events(prof), wall_s) if self.device.type == "cuda" else None
             log.info(f"profile of steps {window}: {text}, {wall_s * 1000 / self.recorded:.1f} ms/step"
-                     + (f", GPU busy {busy:.0%}" if busy is not None else ""))
+                     + (f", GPU busy {t.busy:.0%}" if t is not None else ""))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
 
+DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})  # the trace's categories that are device work
+
+
+class DeviceEvent(NamedTuple):
+    """One device-side event of the trace, as plain data."""
+
+    stream: str  # "device D stream S"
+    start_us: float
+    dur_us: float
+    name: str
+    kind: str  # the trace's category: kernel, gpu_memcpy, gpu_memset, gpu_user_annotation, ...
+
+
 @dataclass(frozen=True)
 class DeviceTimes:
-    """Microseconds of device activity (kernels, copies) over the window."""
+    """Microseconds over the window: device work (kernels, copies, memsets; not annotations), NCCL's part,
+    and the time the busiest stream (the one with the most work) had work, overlaps counted once, at
+    most the wall time."""
 
     total_us: float
     nccl_us: float
+    busy_us: float
+    stream: str | None
+    wall_us: float
 
     @property
     def compute_us(self) -> float:
         return self.total_us - self.nccl_us
 
-    def busy(self, wall_s: float) -> float:
-        """Compute kernels' share of the wall time: communication that overlaps compute is not work done."""
-        return self.compute_us / (wall_s * 1e6) if wall_s > 0 else 0.0
+    @property
+    def busy(self) -> float:
+        """The busiest stream's share of the wall time."""
+        return self.busy_us / self.wall_us if self.wall_us > 0 else 0.0
+
+    @property
+    def idle_us(self) -> float:
+        """Wall time the busiest stream had nothing to run: the host (or a wait) held the step up."""
+        return max(0.0, self.wall_us - self.busy_us)
 
 
-def device_times(prof: Any) -> DeviceTimes:
+def device_times(events: Iterable[DeviceEvent], wall_s: float) -> DeviceTimes:
     total = nccl = 0.0
+    streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e.kind not in DEVICE_WORK:
+            continue
+        total += e.dur_us
+        if "nccl" in e.name.lower():
+            nccl += e.dur_us
+        streams[e.stream].append((e.start_us, e.start_us + e.dur_us))
+    stream = max(streams, key=lambda s: sum(end - start for start, end in streams[s]), default=None)
+    wall_us = wall_s * 1e6
+    return DeviceTimes(total, nccl, min(wall_us, _union_us(streams.get(stream, []))), stream, wall_us)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return busy
+
+
+def device_events(prof: Any) -> list[DeviceEvent]:
+    """The profile's device-side events. Torch before 2.6 or so has no activity_type: there, device
+    events that are not user annotations are work."""
+    out = []
     for evt in prof.events():
         if getattr(evt, "device_type", None) in (None, torch.autograd.DeviceType.CPU):
             continue
-        us = float(_first_attr(evt, ("device_time_total", "cuda_time_total"), 0.0))
-        total += us
-        if "nccl" in evt.name.lower():
-            nccl += us
-    return DeviceTimes(total, nccl)
-
-
-def _first_attr(obj: Any, names: tuple[str, ...], default: Any) -> Any:
-    """The first of `names` obj has: torch renamed cuda_* to device_* (2.4), and may drop the old names."""
-    for name in names:
-        if hasattr(obj, name):
-            return getattr(obj, name)
-    return default
+        kind = getattr(evt, "activity_type", None) or (
+            "gpu_user_annotation" if getattr(evt, "is_user_annotation", False) else "kernel")
+        stream = f"device {evt.device_index} stream {getattr(evt, 'device_resource_id', 0)}"
+        out.append(DeviceEvent(stream, evt.time_range.start, evt.time_range.elapsed_us(), evt.name, kind))
+    return out
 
 
 def summarize(prof: Any, steps: int, wall_s: float, device_type: str) -> str:
-    """The window's wall time per step, on CUDA its device time per step (all, NCCL, compute) and GPU
-    busy, and the top ops by self device (CUDA) or CPU time."""
+    """The window's wall time per step, on CUDA its device time per step (all, NCCL, compute), the
+    busiest stream's busy and idle time, and the top ops by self device (CUDA) or CPU time."""
     ms = wall_s * 1000 / max(1, steps)
     lines = [f"window: {steps} step(s), {ms:.1f} ms/step wall"]
     averages = prof.key_averages()
     sort_by = "self_cpu_time_total"
     if device_type == "cuda":
-        t = device_times(prof)
+        t = device_times(device_events(prof), wall_s)
         per = 1000 * max(1, steps)
-        lines.append(f"device time per step: all kernels {t.total_us / per:.1f} ms, NCCL {t.nccl_us / per:.1f} ms, "
-                     f"compute {t.compute_us / per:.1f} ms; GPU busy {t.busy(wall_s):.1%} (compute kernels / wall)")
+        if t.stream is None:
+            lines.append("device time per step: no kernels recorded")
+        else:
+            lines.append(f"device time per step: all kernels {t.total_us / per:.1f} ms, NCCL {t.nccl_us / per:.1f} ms, "
+                         f"compute {t.compute_us / per:.1f} ms (kernels, copies, memsets; annotations excluded)")
+            lines.append(f"busiest stream ({t.stream}): GPU busy {t.busy_us / per:.1f} ms/step ({t.busy:.1%} of wall), "
+                         f"GPU idle {t.idle_us / per:.1f} ms/step ({1 - t.busy:.1%} of wall)")
         sort_by = _device_sort_key(averages)
     lines.append(f"top {TOP_OPS} ops by {sort_by}:")
     lines.append(averages.table(sort_by=sort_by, row_limit=TOP_OPS))

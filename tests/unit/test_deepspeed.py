@@ -102,7 +102,7 @@ def test_preempt_and_resume_reproduces_the_uninterrupted_run(tmp_path, zero_runs
     scheduler) plus our data position and RNG, every logged loss and the final weights are bitwise
     equal to the uninterrupted run on CPU."""
     spec = doc(tmp_path / "runs", stage=stage)
-    first, run_dir = submit(tmp_path, spec, "--new", env={"HPCGPU_SIGNAL_AT": "6:1"})
+    first, run_dir = submit(tmp_path, spec, "--new", env={"HPCGPU_SIGNAL_AT": "5:1"})  # stops after 6
     assert first.returncode == 75, first.stderr[-3000:]
     assert (run_dir / "checkpoints" / "step-00000006" / "deepspeed").is_dir()
     second, again = submit(tmp_path, spec)

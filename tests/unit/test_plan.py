@@ -108,7 +108,7 @@ def test_a_requeued_run_reuses_its_recorded_plan(tmp_path: Path) -> None:
     In between, the same run on one rank is refused with both world sizes named."""
     raw = tiny()
     path = write_spec_file(tmp_path, raw)
-    first = submit(path, "--new", env=job_env(HPCGPU_SIGNAL_AT="4"))
+    first = submit(path, "--new", env=job_env(HPCGPU_SIGNAL_AT="3"))  # stops after step 4
     assert first.returncode == 75, first.stdout[-2000:] + first.stderr[-2000:]
     run_dir = only_run_dir(tmp_path / "runs", "plan")
 

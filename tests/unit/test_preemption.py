@@ -84,7 +84,8 @@ def baseline(tmp_path_factory) -> Path:
     return run_dir_of(proc)
 
 
-STOP_POINTS = sorted({3, 6, random.Random(os.environ.get("HPCGPU_TEST_SEED", time.time_ns())).randint(1, MAX_STEPS - 1)})
+# the step at which a rank gets the signal; the ranks agree one step later (they stop at the next one)
+STOP_POINTS = sorted({3, 6, random.Random(os.environ.get("HPCGPU_TEST_SEED", time.time_ns())).randint(1, MAX_STEPS - 2)})
 
 
 @pytest.mark.parametrize("stop_at", STOP_POINTS)
@@ -95,8 +96,9 @@ def test_interrupt_and_resume_reproduces_the_uninterrupted_run(tmp_path, baselin
     assert first.returncode == 75, first.stderr[-2000:]
     run_dir = run_dir_of(first)
     (stop,) = records(run_dir, "stop")
-    assert stop["step"] == stop_at and stop["reason"] == "interrupted"
-    assert (run_dir / "checkpoints" / f"step-{stop_at:08d}" / "COMPLETE").exists()
+    stopped = stop_at + 1  # the flags posted after step N are acted on after step N+1, by every rank
+    assert stop["step"] == stopped and stop["reason"] == "interrupted"
+    assert (run_dir / "checkpoints" / f"step-{stopped:08d}" / "COMPLETE").exists()
     assert not (run_dir / "model").exists()
     for rank in (0, 1):
         assert "Traceback" not in (run_dir / "logs" / f"rank-{rank}.log").read_text()
@@ -105,7 +107,7 @@ def test_interrupt_and_resume_reproduces_the_uninterrupted_run(tmp_path, baselin
     assert second.returncode == 0, second.stderr[-2000:]
     assert run_dir_of(second) == run_dir
     (resume,) = records(run_dir, "resume")
-    assert resume["step"] == stop_at
+    assert resume["step"] == stopped
     assert_same_result(run_dir, baseline)
 
 
@@ -128,7 +130,7 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, ba
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, baseline):
     spec = write(tmp_path, spec_doc(tmp_path / "runs"))
-    first = submit(spec, "--new", env={"HPCGPU_SIGNAL_AT": "10"})
+    first = submit(spec, "--new", env={"HPCGPU_SIGNAL_AT": "9"})  # stops after step 10
     assert first.returncode == 75
     run_dir = run_dir_of(first)
     newest = run_dir / "checkpoints" / "step-00000010"
@@ -213,7 +215,8 @@ def test_async_checkpoints_resume_exactly(tmp_path, baseline):
     """checkpoint.async: the write runs in the background and is marked complete only once every
     rank's write ended; a stop waits for it, and the resumed run is still the uninterrupted one."""
     spec = write(tmp_path, spec_doc(tmp_path / "runs", **{"async": True}))
-    first = submit(spec, "--new", env={"HPCGPU_SIGNAL_AT": "9"})
+    # the signal after step 8, while step 8's write runs: the stop after step 9 waits for it
+    first = submit(spec, "--new", env={"HPCGPU_SIGNAL_AT": "8"})
     assert first.returncode == 75, first.stderr[-2000:]
     run_dir = run_dir_of(first)
     done = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

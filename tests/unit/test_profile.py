@@ -1,5 +1,5 @@
 """train.profile's StepProfiler in-process on the CPU (a window cut short, a window a resume passed),
-and its summary's CUDA figures from made-up events (no GPU here)."""
+and its summary's CUDA figures from made-up device events (no GPU here)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpcgpu.runtime.profile import StepProfiler, summarize
+from hpcgpu.runtime.profile import DeviceEvent, StepProfiler, device_times, summarize
 from hpcgpu.spec.schema import Profile
 
 
@@ -45,21 +45,53 @@ class Averages(list):
         return f"<{row_limit} ops by {sort_by}>"
 
 
+A, B = "device 0 stream 7", "device 0 stream 20"
+EVENTS = [  # one 10 ms step: stream 7 computes 0-5 ms (two kernels overlapping) and copies 6-7 ms, NCCL on 20
+    DeviceEvent(A, 0.0, 4000.0, "ampere_sgemm_128x64_tn", "kernel"),
+    DeviceEvent(A, 3000.0, 2000.0, "triton_poi_fused_add_0", "kernel"),
+    DeviceEvent(A, 6000.0, 1000.0, "Memcpy DtoD (Device -> Device)", "gpu_memcpy"),
+    DeviceEvent(B, 0.0, 2000.0, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel"),
+    DeviceEvent(A, 0.0, 9000.0, "ProfilerStep#5", "gpu_user_annotation"),  # spans the kernels: not work
+    DeviceEvent(A, 0.0, 7000.0, "DistributedDataParallel.forward", "gpu_user_annotation"),
+]
+
+
+def test_device_times_count_work_once_and_not_annotations() -> None:
+    t = device_times(EVENTS, wall_s=0.010)
+    assert (t.total_us, t.nccl_us, t.compute_us) == (9000.0, 2000.0, 7000.0)
+    assert t.stream == A and t.busy_us == 6000.0 and t.busy == 0.6 and t.idle_us == 4000.0
+
+
+def test_gpu_busy_is_at_most_the_wall_time() -> None:
+    t = device_times(EVENTS, wall_s=0.004)  # the kernels outlast a (mis)measured wall
+    assert t.busy == 1.0 and t.idle_us == 0.0
+    assert device_times([], wall_s=0.004).stream is None
+
+
 def fake_profile(old_torch: bool) -> SimpleNamespace:
-    """2 steps: 6 ms of compute kernels, 2 ms of NCCL, and a CPU op that is no device time."""
+    """EVENTS as torch.profiler's FunctionEvents, over 2 steps of 5 ms, plus a CPU op whose CUDA time is its
+    kernels'. Old torch: no activity_type, annotations known by is_user_annotation alone."""
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    attr = "cuda_time_total" if old_torch else "device_time_total"
-    events = [SimpleNamespace(name=name, device_type=kind, **{attr: us}) for name, kind, us in (
-        ("ampere_sgemm_128x64_tn", cuda, 5000.0), ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", cuda, 2000.0),
-        ("Memcpy DtoD (Device -> Device)", cuda, 1000.0), ("aten::mm", cpu, 9999.0))]
+    events = [SimpleNamespace(name=e.name, device_type=cuda, device_index=0, device_resource_id=int(e.stream[16:]),
+                              is_user_annotation=e.kind == "gpu_user_annotation",
+                              time_range=SimpleNamespace(start=e.start_us, elapsed_us=lambda d=e.dur_us: d),
+                              **({} if old_torch else {"activity_type": e.kind})) for e in EVENTS]
+    events.append(SimpleNamespace(name="aten::mm", device_type=cpu, device_time_total=6000.0))
     first_average = SimpleNamespace(**({} if old_torch else {"self_device_time_total": 1.0}))
     return SimpleNamespace(events=lambda: events, key_averages=lambda: Averages([first_average]))
 
 
-@pytest.mark.parametrize("old_torch", [False, True], ids=["device_time", "cuda_time"])
-def test_the_cuda_summary_splits_nccl_from_compute(old_torch: bool) -> None:
+@pytest.mark.parametrize("old_torch", [False, True], ids=["activity_type", "no_activity_type"])
+def test_the_cuda_summary_splits_nccl_from_compute_and_shows_idle(old_torch: bool) -> None:
     text = summarize(fake_profile(old_torch), steps=2, wall_s=0.010, device_type="cuda")
     assert "window: 2 step(s), 5.0 ms/step wall" in text
-    assert "all kernels 4.0 ms, NCCL 1.0 ms, compute 3.0 ms; GPU busy 60.0%" in text
+    assert "device time per step: all kernels 4.5 ms, NCCL 1.0 ms, compute 3.5 ms (" in text
+    assert "busiest stream (device 0 stream 7): GPU busy 3.0 ms/step (60.0% of wall), " \
+           "GPU idle 2.0 ms/step (40.0% of wall)" in text
     key = "self_cuda_time_total" if old_torch else "self_device_time_total"
     assert f"<20 ops by {key}>" in text
+
+
+def test_a_cuda_profile_without_device_events_says_so() -> None:
+    prof = SimpleNamespace(events=lambda: [], key_averages=lambda: Averages([]))
+    assert "device time per step: no kernels recorded" in summarize(prof, steps=2, wall_s=0.010, device_type="cuda")

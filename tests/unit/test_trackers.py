@@ -97,7 +97,7 @@ def test_both_trackers_mirror_a_stopped_and_resumed_train_run(tmp_path: Path) ->
     spec = write_spec_file(tmp_path, train_spec(
         "trk", data={"eval": str(EVAL_TEXT)}, train={"eval_every": 4}, checkpoint={"every_steps": 4},
         track={"tensorboard": True, "wandb": {"project": "hpcgpu-tests", "tags": ["unit"]}, "every_steps": 2}))
-    first = submit(spec, env=tracker_env(tmp_path, HPCGPU_SIGNAL_AT="10"), timeout=240)
+    first = submit(spec, env=tracker_env(tmp_path, HPCGPU_SIGNAL_AT="9"), timeout=240)  # stops after step 10
     assert first.returncode == 75, first.stderr[-2000:]
     run_dir = only_run_dir(tmp_path / "runs", "trk")
     # as if the job had died writing its stop checkpoint: the next start resumes at step 8, so the

@@ -121,7 +121,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
         "oomfixed": {**ranks2("oomfixed", micro_batch_size=4), "env": drill},
         "epochs": train_spec("epochs", resources={"gpus": 1}, checkpoint={"every_steps": 4},
                              train={"max_steps": None, "epochs": 2, "global_batch_size": 96, "micro_batch_size": 8}),
-        "early": early_spec("early", env={"HPCGPU_SIGNAL_AT": "4"}),
+        "early": early_spec("early", env={"HPCGPU_SIGNAL_AT": "3"}),  # stops after step 4
         "profile": ranks2("profile", profile={"start_step": 2, "steps": 2}),
         "profilelate": train_spec("profilelate", resources={"gpus": 1},
                                   train={"max_steps": 3, "profile": {"start_step": 5, "steps": 2}}),

@@ -46,7 +46,7 @@ from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
     Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, eval_batches, load_blocks, load_tokenizer)
-from hpcgpu.runtime.dist import any_rank, coordination_group, init_process_group
+from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
@@ -689,7 +689,10 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
     ckpt = ctx.checkpoint
     bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
     steplog = StepLog(tr, metrics, bar)
-    group = coordination_group(ctx.device)
+    # every rank's flags, agreed on a gloo group in host memory and one step late: nothing here waits
+    # for the GPU or for another rank, so the launch queue stays full (the loss is read back only
+    # when it is logged)
+    agreement = LaggedFlags(3, coordination_group(ctx.device))
     profiler = StepProfiler(t.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device, first_step=tr.step,
                             max_steps=tr.max_steps)
     try:
@@ -697,16 +700,16 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
             loss_t = tr.train_step()
             profiler.after_step(tr.step)
             inject_signal(ctx, tr)
-            # every rank's flags, agreed on a gloo group in host memory: nothing here waits for the
-            # GPU, so the launch queue stays full (the loss is read back only when it is logged)
-            stop, time_due, async_busy = any_rank(
-                [ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()], group)
+            agreed = agreement.exchange([ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()],
+                                        tr.step)
+            stop, time_due, async_busy = agreed.flags
+            time_due = time_due and posted_after(agreed, ckpt.last_saved_step)  # else that save reset it
             last = tr.step == tr.max_steps
             if tr.step % t.log_every == 0 or tr.step == 1 or last:
                 steplog.log(loss_t)
             if bar is not None:
                 bar.update(1)
-            if ckpt.pending and not async_busy:
+            if ckpt.pending and not async_busy and posted_after(agreed, ckpt.pending_step):
                 with steplog.not_step_time():
                     ckpt.finish_pending()  # every rank's async write ended: mark it complete now
             eval_due = bool(t.eval_every) and tr.step % t.eval_every == 0 and not last
@@ -725,13 +728,23 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
             if (ckpt.due_by_steps(tr.step) or time_due) and not last:
                 with steplog.not_step_time():
                     save_checkpoint(ctx, tr)
+    except BaseException:
+        agreement.abandon()
+        raise
     finally:
+        agreement.drain()
         profiler.close()
         if bar is not None:
             bar.close()
     ckpt.finish_pending()
     _eval(ctx, tr, metrics)
     return "finished"
+
+
+def posted_after(agreed: Agreed, step: int | None) -> bool:
+    """Whether the ranks posted `agreed` after `step` (None: no such step), so that it knows of
+    what happened at that step (a save started)."""
+    return agreed.step is not None and (step is None or agreed.step > step)
 
 
 def _eval(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> None:
