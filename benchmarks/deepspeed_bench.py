@@ -115,7 +115,8 @@ def main() -> None:
             if run_dir and full and "losses" in full and code2 == 0:
                 resumed = summarize(run_dir, args.skip)["losses"]
                 diff = max(abs(resumed[s] - full["losses"][s]) for s in full["losses"] if s in resumed)
-                notes.append(f"ZeRO-3 preempt/resume ({args.preempt}): stop at step {stop_at} exit {code1}, "
+                notes.append(f"ZeRO-3 preempt/resume ({args.preempt}): signal at step {stop_at} "
+                             f"(stop after {stop_at + 1}) exit {code1}, "
                              f"resume exit {code2}, same run dir {run_dir == run_dir2}, max |loss diff| vs "
                              f"uninterrupted over {len(resumed)} steps: {diff:.2e}")
             else:

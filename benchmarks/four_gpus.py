@@ -141,7 +141,8 @@ def main() -> None:
                 a, b = summarize(full_dir, 0)["losses"], summarize(run_dir, 0)["losses"]
                 diff = max(abs(a[s] - b[s]) for s in a)
                 out["preempt"] = {"exits": [c0, c1, c2], "max_loss_diff": diff, "resumed_same_dir": run_dir == run_dir2}
-                lines.append(f"preempt at {args.gpus} GPUs: signal to rank {args.gpus - 1} at step {args.steps // 2}, "
+                lines.append(f"preempt at {args.gpus} GPUs: signal to rank {args.gpus - 1} at step {args.steps // 2} "
+                             "(stop after the next), "
                              f"exits {c0}/{c1}/{c2}, resumed in the same run dir {run_dir == run_dir2}, "
                              f"max |loss diff| vs uninterrupted {diff:.2e}")
             else:

@@ -17,6 +17,8 @@
 #            of loops + ~22 s a process on H100s), infer-tests,
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round),
+#            train-variants (one round at 2 GPUs: minimal, hpcgpu and hpcgpu with $TRAIN_VARIANTS set, default
+#            gradient_as_bucket_view; pooled in /tmp/tvl/variants.json),
 #            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs),
 #            profile-test (tests/gpu: train.profile's kernel and NCCL times on 2 GPUs)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
@@ -59,6 +61,10 @@ run_step() {
     train-round) fits 200 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${BENCH_GPUS:-1,2}" \
         --repeats 1 --work /tmp/tvl --append /tmp/tvl/rounds.json \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30 ;;
+    train-variants) fits 300 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus 2 --repeats 1 \
+        --programs minimal,hpcgpu --hpcgpu-variants "${TRAIN_VARIANTS:-gabv:distributed.ddp.gradient_as_bucket_view=true}" \
+        --work /tmp/tvl --append /tmp/tvl/variants.json --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 \
+        | tee "$OUT/train_variants.log" | tail -30 ;;
     train-profile) fits 240 && mkdir -p /tmp/tvl && step env OUT="$OUT" python3 benchmarks/profile_step.py --gpus 2 --work /tmp/tvl 2>&1 \
         | tee "$OUT/profile_step.log" | grep -vE "^ +[a-zA-Z_:.]+ +[0-9.]+%" | tail -40
       # profile_step.py copies each program's traces to $OUT/profile/{minimal,hpcgpu}: one archive comes back, not ~8 files

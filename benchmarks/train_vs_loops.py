@@ -34,6 +34,9 @@ micro 16 x accum 1 per GPU; DDP at 2+ GPUs, none at 1):
               monitor at its default (on), as users run it (--hpcgpu-set monitor.enabled=false to
               see its cost). Its data sits on the GPU (it keeps token blocks under 1 GiB there), the
               careful loop's in host memory; the final model it saves is not timed (and is deleted)
+    hpcgpu+NAME  --hpcgpu-variants "NAME:key=value,...;...": hpcgpu with those dotted spec keys set (values
+              JSON where they parse), run in the same rounds as the others, to measure a setting side by
+              side with plain hpcgpu; reported against hpcgpu and minimal, with no targets
 
 How it is measured. Each run does --warmup untimed steps (step 1 compiles), then --steps timed steps
 (default 600: ~27 s at ~45 ms/step, GPT-2 124M on an H100); runs under --min-seconds (20 s) timed
@@ -226,8 +229,39 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    """d["a"]["b"]["c"] = value for key "a.b.c", making the dicts on the way."""
+    *path, last = key.split(".")
+    for part in path:
+        d = d.setdefault(part, {})
+    d[last] = value
+
+
+def parse_variants(text: str) -> dict[str, dict[str, Any]]:
+    """--hpcgpu-variants "NAME:key=value,key=value;..." -> {"hpcgpu+NAME": {key: value}}; a value is JSON where
+    it parses (true, 50, "x"), else the string."""
+    variants: dict[str, dict[str, Any]] = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, sets = item.partition(":")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or f"hpcgpu+{name}" in variants:
+            raise ValueError(f"{item!r}: NAME (letters, digits, '_', '-'; each once) first")
+        overrides = {}
+        for kv in filter(None, sets.split(",")):
+            key, eq, value = kv.partition("=")
+            if not eq or not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", key.strip()):
+                raise ValueError(f"{item!r}: {kv!r} is not key=value (a dotted key)")
+            try:
+                overrides[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                overrides[key.strip()] = value
+        if not overrides:
+            raise ValueError(f"{item!r}: no key=value")
+        variants[f"hpcgpu+{name}"] = overrides
+    return variants
+
+
 def hpcgpu_spec(args: argparse.Namespace, work: Path, data: Path, gpus: int, max_steps: int, log_every: int,
-                name: str) -> Path:
+                name: str, overrides: dict[str, Any] | None = None) -> Path:
     spec = {
         "name": name, "task": "train", "runs_dir": str(work / "runs"),
         "resources": {"gpus": gpus, "cpus_per_gpu": 1 if args.cpu else 4},
@@ -239,6 +273,8 @@ def hpcgpu_spec(args: argparse.Namespace, work: Path, data: Path, gpus: int, max
                   "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0, "precision": args.precision,
                   "compile": bool(args.compile), "eval_every": 0, "seed": args.seed},
     }
+    for key, value in (overrides or {}).items():  # a --hpcgpu-variants program: the same spec, these keys set
+        set_dotted(spec, key, value)
     path = work / f"{name}.spec.json"
     path.write_text(json.dumps(spec, indent=1) + "\n")  # JSON is YAML: no yaml module needed here
     return path
@@ -279,18 +315,21 @@ def hpcgpu_timed(recs: list[dict[str, Any]], warmup: int, steps: int) -> dict[st
 
 
 def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag: str,
-               warmup: int | None = None, steps: int | None = None) -> dict[str, Any]:
+               warmup: int | None = None, steps: int | None = None, program: str = "hpcgpu") -> dict[str, Any]:
     warmup, steps = warmup or args.warmup, steps or args.steps
     prime = tag == "prime"
-    name = f"tvl-{gpus}g" + ("-prime" if prime else "")
-    spec = hpcgpu_spec(args, work, data, gpus, warmup + steps, 1 if prime else args.log_every, name)
+    variant = program.partition("+")[2]  # its own spec name: its own spec file and run dirs
+    name = f"tvl-{gpus}g" + (f"-{variant}" if variant else "") + ("-prime" if prime else "")
+    spec = hpcgpu_spec(args, work, data, gpus, warmup + steps, 1 if prime else args.log_every, name,
+                       args.variants.get(program))
     cmd = [sys.executable, "-m", "hpcgpu", "submit", str(spec), "--executor", "local", "--new", "--gpus", str(gpus)]
     for item in args.hpcgpu_set:
         cmd += ["--set", item]
-    rc, t_launch, out, err = launch(cmd, child_env(args, work), work / "logs" / f"{tag}-hpcgpu-{gpus}g", args.timeout)
+    rc, t_launch, out, err = launch(cmd, child_env(args, work), work / "logs" / f"{tag}-{program}-{gpus}g",
+                                    args.timeout)
     wall = time.time() - t_launch
     if rc != 0:
-        raise RunFailed(f"hpcgpu at {gpus} GPU(s) failed (exit {rc}; `{' '.join(cmd[1:])}`):\n{tail(out, 1000)}\n"
+        raise RunFailed(f"{program} at {gpus} GPU(s) failed (exit {rc}; `{' '.join(cmd[1:])}`):\n{tail(out, 1000)}\n"
                         f"{tail(err)}")
     found = re.findall(r"run dir\s+(\S+)", err + "\n" + out)
     if found:
@@ -309,8 +348,16 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
     return res
 
 
+def run_program(args: argparse.Namespace, work: Path, data: Path, program: str, gpus: int, tag: str,
+                **steps: int) -> dict[str, Any]:
+    if program.startswith("hpcgpu"):  # hpcgpu or a variant of it
+        return run_hpcgpu(args, work, data, gpus, tag, program=program, **steps)
+    return run_loop(args, work, program, gpus, tag, **steps)
+
+
 class PrimedPairs:
-    """The (program, GPU count) pairs whose compiled graphs are in the shared cache (a JSON list)."""
+    """The (program, GPU count) pairs whose compiled graphs are in the shared cache (a JSON list); a
+    --hpcgpu-variants program is a program of its own (its settings may compile other graphs)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -386,18 +433,23 @@ def scaling_of_medians(results: dict[str, dict[str, list[dict[str, Any]]]], prog
 
 # ---------------------------------------------------------------- report
 
+def variant_names(programs: list[str]) -> list[str]:
+    return [p for p in programs if p.startswith("hpcgpu+")]
+
+
 def verdict(args: argparse.Namespace, ok: bool) -> str:
     return "n/a (smoke)" if args.smoke else "PASS" if ok else "FAIL"
 
 
-def build_summary(args: argparse.Namespace, results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+def build_summary(args: argparse.Namespace, results: dict[str, dict[str, list[dict[str, Any]]]],
+                  programs: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {"per_gpus": {}, "scaling": {}, "targets": []}
     counts = sorted(int(g) for g, res in results.items() if any(res.values()))
     unit = "rank(s)" if args.cpu else "GPU(s)"
     for g in counts:
         res = results[str(g)]
         rows = {}
-        for p in PROGRAMS:
+        for p in programs:
             runs = res.get(p) or []
             if runs:
                 rows[p] = {k: spread([r[k] for r in runs if isinstance(r.get(k), (int, float))])
@@ -407,6 +459,9 @@ def build_summary(args: argparse.Namespace, results: dict[str, dict[str, list[di
         ratios = {"hpcgpu/minimal": compare(res.get("hpcgpu", []), res.get("minimal", [])),
                   "hpcgpu/careful": compare(res.get("hpcgpu", []), res.get("careful", [])),
                   "careful/minimal": compare(res.get("careful", []), res.get("minimal", []))}
+        for v in variant_names(programs):  # against plain hpcgpu: whether the setting helps
+            ratios[f"{v}/hpcgpu"] = compare(res.get(v, []), res.get("hpcgpu", []))
+            ratios[f"{v}/minimal"] = compare(res.get(v, []), res.get("minimal", []))
         ttfs = {"hpcgpu-careful": compare(res.get("hpcgpu", []), res.get("careful", []), "ttfs_s", "diff"),
                 "hpcgpu-minimal": compare(res.get("hpcgpu", []), res.get("minimal", []), "ttfs_s", "diff")}
         summary["per_gpus"][str(g)] = {"programs": rows, "ratios": ratios, "ttfs_diff_s": ttfs}
@@ -426,7 +481,7 @@ def build_summary(args: argparse.Namespace, results: dict[str, dict[str, list[di
         if n == 1 or 1 not in counts:
             continue
         per = {}
-        for p in PROGRAMS:
+        for p in programs:
             runs = scaling_runs(results, p, n)
             med = scaling_of_medians(results, p, n)
             if med is not None:
@@ -467,7 +522,8 @@ def short_lines(args: argparse.Namespace, results: dict[str, dict[str, list[dict
 
 
 def print_report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
-    s, results = rep["summary"], rep["results"]
+    s, results, programs = rep["summary"], rep["results"], rep["programs"]
+    w = max([8, *map(len, programs)])  # the program column: 8 unless a variant's name is longer
     params = next((r.get("params") for res in results.values() for runs in res.values() for r in runs
                    if r.get("params")), None)
     print(f"# train: hpcgpu vs hand-written loops; GPT-2 ({args.n_layer} layers, {args.n_embd} hidden, "
@@ -481,25 +537,26 @@ def print_report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
         res = results[g]
         print(f"\n== {g} {'CPU rank' if args.cpu else 'GPU'}{'s' if int(g) > 1 else ''}: "
               f"{rep['rounds'].get(g, 0)} round(s) ==")
-        print(f"{'program':<8} {'tok/s':>28} {'MFU %':>18} {'ms/step':>22} {'timed s':>18} "
+        print(f"{'program':<{w}} {'tok/s':>28} {'MFU %':>18} {'ms/step':>22} {'timed s':>18} "
               f"{'1st step s (launch)':>22} {'(in process)':>18}")
-        for p in PROGRAMS:
+        for p in programs:
             runs = res.get(p) or []
             if not runs:
                 continue
-            print(f"{p:<8} {fmt_spread([r['tokens_per_s'] for r in runs], 0):>28} "
+            print(f"{p:<{w}} {fmt_spread([r['tokens_per_s'] for r in runs], 0):>28} "
                   f"{fmt_spread([r['mfu'] for r in runs], 1, 100):>18} "
                   f"{fmt_spread([r['ms_per_step'] for r in runs], 2):>22} "
                   f"{fmt_spread([r['timed_s'] for r in runs], 1):>18} "
                   f"{fmt_spread([r['ttfs_s'] for r in runs], 1):>22} "
                   f"{fmt_spread([r.get('ttfs_inproc_s') for r in runs], 1):>18}")
         print("ratios of median tok/s [range of the per-round ratios]:")
-        for key, target in (("hpcgpu/minimal", TARGET_VS_MINIMAL), ("hpcgpu/careful", TARGET_VS_CAREFUL),
-                            ("careful/minimal", None)):
-            r = block["ratios"][key]
+        targets = {"hpcgpu/minimal": TARGET_VS_MINIMAL, "hpcgpu/careful": TARGET_VS_CAREFUL}
+        kw = max([16, *map(len, block["ratios"])])
+        for key, r in block["ratios"].items():
+            target = targets.get(key)
             if r is None:
                 continue
-            line = f"  {key:<16} {r['value']:.3f} [{r['min']:.3f}-{r['max']:.3f}]"
+            line = f"  {key:<{kw}} {r['value']:.3f} [{r['min']:.3f}-{r['max']:.3f}]"
             if r["within_spread"]:
                 line += "  gap smaller than the spread"
             if target is not None:
@@ -519,7 +576,7 @@ def print_report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
         print(f"\n== {n}-{'rank' if args.cpu else 'GPU'} scaling: tok/s({n}) / ({n} x tok/s(1)), of the medians "
               "[range of the per-round values] ==")
         for p, e in block["programs"].items():
-            print(f"  {p:<8} {e['efficiency']:.3f} [{e['min']:.3f}-{e['max']:.3f}]")
+            print(f"  {p:<{w}} {e['efficiency']:.3f} [{e['min']:.3f}-{e['max']:.3f}]")
         c = block["hpcgpu/minimal"]
         if c is not None:
             ok = block["programs"]["hpcgpu"]["efficiency"] >= block["programs"]["minimal"]["efficiency"]
@@ -543,19 +600,23 @@ def print_report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- main
 
 def run_setup(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
-    return {"gpu": gpu, **{k: getattr(args, k) for k in SETUP_KEYS}}
+    setup = {"gpu": gpu, **{k: getattr(args, k) for k in SETUP_KEYS}}
+    if args.variants:  # only then: files written before the option pool as before
+        setup["hpcgpu_variants"] = args.variants
+    return setup
 
 
-def earlier(args: argparse.Namespace, setup: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def earlier(args: argparse.Namespace, setup: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """An --append file's results, notes and programs (PROGRAMS in a file from before it said)."""
     if args.append is None or not args.append.exists():
-        return {}, []
+        return {}, [], []
     old = json.loads(args.append.read_text())
     if old.get("setup") != setup:
         was = old.get("setup") or {}
         diff = sorted(k for k in set(setup) | set(was) if setup.get(k) != was.get(k))
         raise SystemExit(f"--append {args.append}: an earlier run of another setup (differs in: {', '.join(diff)}); "
                          "give another file")
-    return old.get("results", {}), list(old.get("notes", []))
+    return old.get("results", {}), list(old.get("notes", [])), list(old.get("programs", PROGRAMS))
 
 
 def main(argv: list[str]) -> int:
@@ -599,6 +660,11 @@ def main(argv: list[str]) -> int:
                     help="set in the environment of all three programs; repeatable; part of the setup")
     ap.add_argument("--hpcgpu-set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra `--set` for hpcgpu (e.g. monitor.enabled=false); repeatable; part of the setup")
+    ap.add_argument("--hpcgpu-variants", default=None, metavar="NAME:KEY=VALUE,...;...",
+                    help="extra hpcgpu programs, hpcgpu+NAME: the same spec with these dotted keys set (a value is "
+                         "JSON where it parses, else a string), in every round beside the others; reported against "
+                         "hpcgpu and minimal (no targets); part of the setup. E.g. "
+                         "\"gabv:distributed.ddp.gradient_as_bucket_view=true;b50:distributed.ddp.bucket_cap_mb=50\"")
     ap.add_argument("--work", type=Path, default=None,
                     help="work dir (data, specs, logs, run dirs, compile cache; kept); default: a temporary dir")
     ap.add_argument("--append", type=Path, default=None, metavar="FILE",
@@ -622,6 +688,11 @@ def main(argv: list[str]) -> int:
     programs = [p for p in args.programs.split(",") if p]
     if not programs or any(p not in PROGRAMS for p in programs):
         ap.error(f"--programs: of {', '.join(PROGRAMS)}")
+    try:
+        args.variants = parse_variants(args.hpcgpu_variants or "")
+    except ValueError as exc:
+        ap.error(f"--hpcgpu-variants: {exc}")
+    programs += list(args.variants)  # rotated with the others in every round
     counts = sorted({int(g) for g in args.gpus.split(",") if g})
     gpu = gpu_name(args)
     if not args.cpu:
@@ -639,15 +710,16 @@ def main(argv: list[str]) -> int:
     workspace = contextlib.ExitStack()  # closed in the finally below, after the last report
     work = workspace.enter_context(work_dir(args.work, "train-vs-loops-"))
     setup = run_setup(args, gpu)
-    results, notes = earlier(args, setup)
+    results, notes, shown = earlier(args, setup)
+    shown = list(dict.fromkeys(shown + programs))  # reported: this call's programs and those of earlier calls
     results = {g: {p: list(v) for p, v in res.items()} for g, res in results.items()}
     failed = False
     target = args.json or (Path(os.environ["OUT"], "train_vs_loops.json") if os.environ.get("OUT") else None)
 
     def report() -> dict[str, Any]:
         rounds = {g: max((r["round"] for runs in res.values() for r in runs), default=0) for g, res in results.items()}
-        rep = {"gpu": gpu, "setup": setup, "results": results, "rounds": rounds, "notes": notes,
-               "summary": build_summary(args, results),
+        rep = {"gpu": gpu, "setup": setup, "programs": shown, "results": results, "rounds": rounds, "notes": notes,
+               "summary": build_summary(args, results, shown),
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "total_s": time.time() - t_start}
         for path in {p for p in (target, args.append) if p is not None}:
@@ -675,10 +747,7 @@ def main(argv: list[str]) -> int:
             for p, g in [(p, c) for c in counts for p in programs if not primed.has(p, c)]:
                 t0 = time.time()
                 try:
-                    if p == "hpcgpu":
-                        run_hpcgpu(args, work, data, g, "prime", warmup=1, steps=1)
-                    else:
-                        run_loop(args, work, p, g, "prime", warmup=1, steps=1)
+                    run_program(args, work, data, p, g, "prime", warmup=1, steps=1)
                     primed.add(p, g)
                     note(f"primed the compile cache with {p} at {g}: {time.time() - t0:.0f} s")
                 except RunFailed as exc:
@@ -702,10 +771,7 @@ def main(argv: list[str]) -> int:
                         raise DeadlineReached
                     t0 = time.time()
                     try:
-                        if p == "hpcgpu":
-                            r = run_hpcgpu(args, work, data, g, f"r{rnd}")
-                        else:
-                            r = run_loop(args, work, p, g, f"r{rnd}")
+                        r = run_program(args, work, data, p, g, f"r{rnd}")
                     except RunFailed as exc:
                         failed = True
                         notes.append(f"round {rnd}, {g} GPU(s): {str(exc).splitlines()[0]}")

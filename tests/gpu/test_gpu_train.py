@@ -136,7 +136,7 @@ def test_async_checkpoints_stage_through_pinned_buffers_and_resume(tmp_path):
     preempted run resumes from them."""
     spec = train_spec(1, steps=20)
     spec["checkpoint"] = {"every_steps": 4, "async": True, "keep": 2}
-    first, run_dir = submit(spec, tmp_path, env={"HPCGPU_SIGNAL_AT": "14"})
+    first, run_dir = submit(spec, tmp_path, env={"HPCGPU_SIGNAL_AT": "13"})  # stops after step 14
     assert first.returncode == 75, first.stdout[-3000:] + first.stderr[-3000:]
     path = tmp_path / "spec.yaml"
     again = subprocess.run([sys.executable, "-m", "hpcgpu", "submit", str(path), "--executor", "local"],

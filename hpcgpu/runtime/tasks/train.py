@@ -352,6 +352,11 @@ class Trainer:
         return total
 
     def _ddp_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        if len(micro_batches) == 1:  # no accumulation: no sum to keep, no division by 1 to launch
+            loss = self._micro_loss(micro_batches[0])
+            self.scaler.scale(loss).backward()
+            self._optimizer_step()
+            return loss.detach()
         total = torch.zeros((), device=self.device)
         for i, idx in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
