@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -212,4 +213,9 @@ def test_profile_of_two_gpu_steps_times_kernels_and_nccl(tmp_path):
         kernels, nccl, compute = (float(line.split(name)[1].split(" ms")[0]) for name in
                                   ("all kernels ", "NCCL ", "compute "))
         assert kernels > 0 and nccl > 0 and compute > 0 and abs(kernels - nccl - compute) < 0.2, line
+        # the busiest stream's busy and idle time make up the wall time (annotations are no kernels)
+        wall = float(re.search(r"([\d.]+) ms/step wall", text).group(1))
+        busy, pct, idle = map(float, re.search(r"GPU busy ([\d.]+) ms/step \(([\d.]+)% of wall\), GPU idle "
+                                               r"([\d.]+) ms/step", text).groups())
+        assert 0 < pct <= 100 and abs(busy + idle - wall) < 0.3, text[:800]
     print("\n" + (run_dir / "profile" / "rank0.txt").read_text()[:1500])
