@@ -18,7 +18,8 @@
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round),
 #            train-variants (one round at 2 GPUs: minimal, hpcgpu and hpcgpu with $TRAIN_VARIANTS set, default
-#            gradient_as_bucket_view; pooled in /tmp/tvl/variants.json),
+#            gradient_as_bucket_view; pooled in /tmp/tvl/variants.json; TRAIN_VARIANTS="old@.ab/old" runs an
+#            earlier commit's package beside this one: `git archive REV hpcgpu | tar -x -C .ab/old`, carry .ab),
 #            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs),
 #            profile-test (tests/gpu: train.profile's kernel and NCCL times on 2 GPUs)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.

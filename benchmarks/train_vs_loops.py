@@ -36,7 +36,8 @@ micro 16 x accum 1 per GPU; DDP at 2+ GPUs, none at 1):
               careful loop's in host memory; the final model it saves is not timed (and is deleted)
     hpcgpu+NAME  --hpcgpu-variants "NAME:key=value,...;...": hpcgpu with those dotted spec keys set (values
               JSON where they parse), run in the same rounds as the others, to measure a setting side by
-              side with plain hpcgpu; reported against hpcgpu and minimal, with no targets
+              side with plain hpcgpu; reported against hpcgpu and minimal, with no targets. NAME@DIR:
+              the hpcgpu package in DIR instead (an earlier commit's), to measure what a change bought
 
 How it is measured. Each run does --warmup untimed steps (step 1 compiles), then --steps timed steps
 (default 600: ~27 s at ~45 ms/step, GPT-2 124M on an H100); runs under --min-seconds (20 s) timed
@@ -130,14 +131,15 @@ def child_env(args: argparse.Namespace, work: Path) -> dict[str, str]:
     return env
 
 
-def launch(cmd: list[str], env: dict[str, str], log_base: Path, timeout: float) -> tuple[int, float, str, str]:
+def launch(cmd: list[str], env: dict[str, str], log_base: Path, timeout: float,
+           cwd: Path = REPO) -> tuple[int, float, str, str]:
     """Run cmd in its own process group; returns (exit code, launch time.time(), stdout, stderr). On
     timeout the whole group (the launcher and its ranks) is ended."""
     log_base.parent.mkdir(parents=True, exist_ok=True)
     out_path, err_path = log_base.with_suffix(".out"), log_base.with_suffix(".err")
     with out_path.open("w") as out, err_path.open("w") as err:
         t_launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=cwd, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -237,14 +239,21 @@ def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
     d[last] = value
 
 
-def parse_variants(text: str) -> dict[str, dict[str, Any]]:
-    """--hpcgpu-variants "NAME:key=value,key=value;..." -> {"hpcgpu+NAME": {key: value}}; a value is JSON where
-    it parses (true, 50, "x"), else the string."""
+def parse_variants(text: str) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """--hpcgpu-variants "NAME[@DIR]:key=value,key=value;..." -> ({"hpcgpu+NAME": {key: value}}, {"hpcgpu+NAME":
+    DIR}); a value is JSON where it parses (true, 50, "x"), else the string. DIR: another checkout's hpcgpu
+    (e.g. an earlier commit's, from `git archive`) runs that program."""
     variants: dict[str, dict[str, Any]] = {}
+    checkouts: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in text.split(";"))):
-        name, _, sets = item.partition(":")
+        head, _, sets = item.partition(":")
+        name, at, checkout = head.partition("@")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", name) or f"hpcgpu+{name}" in variants:
             raise ValueError(f"{item!r}: NAME (letters, digits, '_', '-'; each once) first")
+        if at:
+            if not (Path(checkout) / "hpcgpu" / "__init__.py").is_file():
+                raise ValueError(f"{item!r}: {checkout} has no hpcgpu package (hpcgpu/__init__.py)")
+            checkouts[f"hpcgpu+{name}"] = str(Path(checkout).resolve())
         overrides = {}
         for kv in filter(None, sets.split(",")):
             key, eq, value = kv.partition("=")
@@ -254,10 +263,10 @@ def parse_variants(text: str) -> dict[str, dict[str, Any]]:
                 overrides[key.strip()] = json.loads(value)
             except json.JSONDecodeError:
                 overrides[key.strip()] = value
-        if not overrides:
-            raise ValueError(f"{item!r}: no key=value")
+        if not overrides and not at:
+            raise ValueError(f"{item!r}: no key=value and no @DIR")
         variants[f"hpcgpu+{name}"] = overrides
-    return variants
+    return variants, checkouts
 
 
 def hpcgpu_spec(args: argparse.Namespace, work: Path, data: Path, gpus: int, max_steps: int, log_every: int,
@@ -325,8 +334,12 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
     cmd = [sys.executable, "-m", "hpcgpu", "submit", str(spec), "--executor", "local", "--new", "--gpus", str(gpus)]
     for item in args.hpcgpu_set:
         cmd += ["--set", item]
-    rc, t_launch, out, err = launch(cmd, child_env(args, work), work / "logs" / f"{tag}-{program}-{gpus}g",
-                                    args.timeout)
+    env, cwd = child_env(args, work), REPO
+    checkout = args.checkouts.get(program)
+    if checkout is not None:  # that checkout's hpcgpu: first on the path, and the cwd `-m` looks in first
+        env["PYTHONPATH"] = os.pathsep.join([checkout, env["PYTHONPATH"]])
+        cwd = Path(checkout)
+    rc, t_launch, out, err = launch(cmd, env, work / "logs" / f"{tag}-{program}-{gpus}g", args.timeout, cwd)
     wall = time.time() - t_launch
     if rc != 0:
         raise RunFailed(f"{program} at {gpus} GPU(s) failed (exit {rc}; `{' '.join(cmd[1:])}`):\n{tail(out, 1000)}\n"
@@ -603,6 +616,8 @@ def run_setup(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
     setup = {"gpu": gpu, **{k: getattr(args, k) for k in SETUP_KEYS}}
     if args.variants:  # only then: files written before the option pool as before
         setup["hpcgpu_variants"] = args.variants
+    if args.checkouts:
+        setup["hpcgpu_checkouts"] = args.checkouts
     return setup
 
 
@@ -664,7 +679,9 @@ def main(argv: list[str]) -> int:
                     help="extra hpcgpu programs, hpcgpu+NAME: the same spec with these dotted keys set (a value is "
                          "JSON where it parses, else a string), in every round beside the others; reported against "
                          "hpcgpu and minimal (no targets); part of the setup. E.g. "
-                         "\"gabv:distributed.ddp.gradient_as_bucket_view=true;b50:distributed.ddp.bucket_cap_mb=50\"")
+                         "\"gabv:distributed.ddp.gradient_as_bucket_view=true;b50:distributed.ddp.bucket_cap_mb=50\"; "
+                         "NAME@DIR runs the hpcgpu package in DIR (another commit's: `git archive REV hpcgpu | tar -x "
+                         "-C DIR`), with or without keys")
     ap.add_argument("--work", type=Path, default=None,
                     help="work dir (data, specs, logs, run dirs, compile cache; kept); default: a temporary dir")
     ap.add_argument("--append", type=Path, default=None, metavar="FILE",
@@ -689,7 +706,7 @@ def main(argv: list[str]) -> int:
     if not programs or any(p not in PROGRAMS for p in programs):
         ap.error(f"--programs: of {', '.join(PROGRAMS)}")
     try:
-        args.variants = parse_variants(args.hpcgpu_variants or "")
+        args.variants, args.checkouts = parse_variants(args.hpcgpu_variants or "")
     except ValueError as exc:
         ap.error(f"--hpcgpu-variants: {exc}")
     programs += list(args.variants)  # rotated with the others in every round
