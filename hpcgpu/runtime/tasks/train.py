@@ -595,7 +595,8 @@ def resume(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> bool:
 
 def inject_signal(ctx: Context, tr: Trainer) -> None:
     """Fault injection for tests and drills: HPCGPU_SIGNAL_AT="STEP[:RANK]" makes that rank send itself
-    the spec's preemption signal when it reaches STEP, exactly as `scancel --signal` would."""
+    the spec's preemption signal when it reaches STEP, exactly as `scancel --signal` would; the ranks
+    agree on it a step later (LaggedFlags), so the run stops after step STEP+1."""
     spec_at = os.environ.get(ENV_SIGNAL_AT)
     if not spec_at or ctx.spec is None:
         return
