@@ -358,6 +358,11 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
     if first is None:
         raise RunFailed(f"hpcgpu run {run_dir}: no \"train\" record at step 1")
     res.update(ttfs_s=float(first["time"]) - t_launch, ttfs_inproc_s=None, wall_s=wall, run_dir=str(run_dir))
+    startup = next((r for r in recs if r.get("kind") == "startup"), None)  # rank 0's phases (not in old commits)
+    if startup is not None:
+        res["startup"] = {k[:-2]: v for k, v in startup.items() if k.endswith("_s") and k != "total_s"}
+        note(f"{program} at {gpus} GPU(s), start-up of rank 0: "
+             + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in res["startup"].items()))
     return res
 
 

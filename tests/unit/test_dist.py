@@ -21,7 +21,8 @@ for step in range(1, 6):
     agreed = flags.exchange([rank == int(os.environ["RAISER"]) and step >= 3, False], step)
     seen.append([agreed.flags, agreed.step])
 flags.drain()
-print(json.dumps(seen))
+del flags  # it holds the group: a group still referenced when the interpreter exits may abort it
+print(json.dumps(seen), flush=True)
 if dist.is_initialized():
     dist.destroy_process_group()
 """

@@ -5,6 +5,7 @@ tiny GPT-2 (1 layer, 32 wide, bytes as tokens, no dropout) for a few seconds.
 """
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -79,6 +80,20 @@ def test_two_rank_training_lowers_the_loss(ddp_run: Path) -> None:
     first, last = recs[0]["loss"], recs[-1]["loss"]
     assert first > 5.0  # about ln(256) = 5.55 for a random byte model
     assert last < first - 0.6, f"loss {first:.3f} -> {last:.3f}: not learning"
+
+
+def test_the_start_up_is_broken_down_once_up_to_the_first_step(ddp_run: Path) -> None:
+    recs = [json.loads(line) for line in (ddp_run / "metrics.jsonl").read_text().splitlines()]
+    (start,) = [r for r in recs if r["kind"] == "startup"]
+    phases = {k: v for k, v in start.items() if k.endswith("_s") and k != "total_s"}
+    assert list(phases) == ["interpreter_and_imports_s", "process_group_s", "data_s", "plan_s", "model_s",
+                            "resume_s", "first_step_s"]
+    assert all(v >= 0 for v in phases.values()) and start["total_s"] == pytest.approx(sum(phases.values()))
+    assert phases["interpreter_and_imports_s"] > 0  # python and torch load before hpcgpu's code runs
+    # measured from the process's own start, and done before step 1's record is written
+    first = train_records(ddp_run)[0]
+    assert start["step"] == 1 and start["process_start"] + start["total_s"] <= first["time"] + 0.01
+    assert "start-up: " in (ddp_run / "logs" / "rank-0.log").read_text()
 
 
 def test_run_dir_holds_logs_of_every_rank(ddp_run: Path) -> None:

@@ -52,6 +52,7 @@ from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.rng import rng_state, set_rng_state
+from hpcgpu.runtime.startup import StartupClock
 from hpcgpu.runtime.strategy import ddp_options
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
@@ -688,9 +689,9 @@ def describe_ddp(options: dict[str, Any]) -> str:
     return f"buckets {options['bucket_cap_mb']:g} MiB" + "".join(f", {name}" for name in flags)
 
 
-def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
+def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: StartupClock | None = None) -> str:
     """Run until the plan's max_steps, an agreed stop or early stopping; returns 'finished', 'stopped'
-    or 'early_stopped' (a finish too)."""
+    or 'early_stopped' (a finish too). `clock`: the start-up phases, recorded once the first step is done."""
     t = tr.spec.train
     ckpt = ctx.checkpoint
     bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
@@ -704,6 +705,8 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> str:
     try:
         while tr.step < tr.max_steps:
             loss_t = tr.train_step()
+            if clock is not None:
+                clock.first_step_done(ctx.device, metrics, tr.step)
             profiler.after_step(tr.step)
             inject_signal(ctx, tr)
             agreed = agreement.exchange([ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()],
@@ -882,13 +885,18 @@ def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how:
 def run_train(spec: Spec, paths: RunPaths) -> int:
     from hpcgpu.runtime.requeue import mark_finished
 
+    clock = StartupClock()
+    clock.mark("interpreter and imports")
     with init(spec, paths, alone_group=False) as ctx:  # a lone rank's group waits for the plan
         if is_finished(ctx.run_dir):
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
+        clock.mark("process group")
         quiet_libraries(ctx)
         data = load_train_data(spec)
+        clock.mark("data")
         plan = start_plan(ctx, spec, paths, data)
+        clock.mark("plan")
         tracking = open_tracking(spec, paths, ctx.is_main)  # rank 0's TensorBoard / W&B, fed by metrics
         metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=tracking)
         tr: Trainer | None = None
@@ -896,9 +904,11 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             tr = Trainer(ctx, spec, plan, data)
             tr.on_new_plan = plan_recorder(ctx, paths, metrics)
             log.info(describe(tr))
+            clock.mark("model")
             resume(ctx, tr, metrics)
             tr.start_step = tr.step
             record_plan(ctx, plan, paths)
+            clock.mark("resume")
             if ctx.should_stop():
                 # the signal came while the job was starting: its state is the checkpoint it resumed
                 # from (or nothing yet), so nothing is lost by leaving now
@@ -907,7 +917,7 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
                             enabled=spec.monitor.enabled and ctx.device.type == "cuda",
                             on_sample=tracking.gpu_sample if tracking.active else None):
-                outcome = train_loop(ctx, tr, metrics)
+                outcome = train_loop(ctx, tr, metrics, clock)
             if outcome == "stopped":
                 return stop_run(ctx, spec, tr, metrics, "with a checkpoint")
             restore_best(ctx, tr)
