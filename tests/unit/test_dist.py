@@ -25,6 +25,7 @@ del flags  # it holds the group: a group still referenced when the interpreter e
 print(json.dumps(seen), flush=True)
 if dist.is_initialized():
     dist.destroy_process_group()
+os._exit(0)  # the agreement is what is tested here, not the interpreter's teardown of torch's statics
 """
 
 # what every rank sees at steps 1-5: nothing agreed at the first step, then each step the flags
