@@ -60,6 +60,7 @@ class RunData:
     # one list of "infer" records per start of the job (Progress counts rows/s, tokens from each start)
     infer_starts: list[list[dict[str, Any]]] = field(default_factory=list)
     rows_total: int | None = None  # task: infer: the input's rows (plan.json, when no record says)
+    startups: list[dict[str, Any]] = field(default_factory=list)  # task: train: rank 0's "startup", one per start
 
 
 def _latest_per_step(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,7 +86,7 @@ def load_run(run_dir: str | Path) -> RunData:
     return RunData(run_dir,
                    train=_latest_per_step([r for r in metrics if r.get("kind") == "train"]),
                    eval=_latest_per_step([r for r in metrics if r.get("kind") == "eval"]),
-                   events=events, gpu=gpu)
+                   events=events, gpu=gpu, startups=[r for r in metrics if r.get("kind") == "startup"])
 
 
 def _task_of(run_dir: Path, metrics: list[dict[str, Any]]) -> tuple[str, str | None, int | None]:
@@ -150,6 +151,8 @@ class Summary:
     gpu_peak_mem: dict[str, int]  # "node N gpu M" or "gpu M" -> bytes, as NVML saw them (all processes)
     gpu_mean_util: dict[str, float]
     peak_allocated_gib: float | None = None  # rank 0's torch.cuda.max_memory_allocated (metrics.jsonl)
+    startup_s: list[float] = field(default_factory=list)  # each start's process start -> first step done
+    last_startup: dict[str, float] = field(default_factory=dict)  # the newest start's phases, in order
 
     def text(self) -> str:
         def f(v: float | None, spec: str) -> str:
@@ -164,11 +167,20 @@ class Summary:
                  f"restarts         {self.restarts}"]
         if self.peak_allocated_gib is not None:
             lines.append(f"peak allocated   {self.peak_allocated_gib:.2f} GiB (torch, rank 0)")
+        if self.startup_s:
+            lines.append(self._startup_line())
         if not self.gpu_peak_mem:
             lines.append("GPUs             no GPU samples (gpu.jsonl) in this run")
         for key, peak in self.gpu_peak_mem.items():
             lines.append(f"{key:<16} peak memory {peak / GiB:.1f} GiB, mean util {self.gpu_mean_util[key]:.0f}%")
         return "\n".join(lines)
+
+
+    def _startup_line(self) -> str:
+        n = len(self.startup_s)
+        spread = f" ({min(self.startup_s):.1f}-{max(self.startup_s):.1f} s over {n} starts)" if n > 1 else ""
+        phases = ", ".join(f"{name} {s:.1f} s" for name, s in self.last_startup.items())
+        return f"start-up         {self.startup_s[-1]:.1f} s to the first step{spread}; the last: {phases}"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -195,7 +207,15 @@ def summarize(d: RunData) -> Summary:
         restarts=sum(1 for r in d.events if r.get("kind") == "resume"),
         finished=any(r.get("kind") == "end" for r in d.events),
         gpu_peak_mem=peak, gpu_mean_util=mean_util,
-        peak_allocated_gib=max((v for r in d.train if (v := _num(r.get("peak_mem_gib"))) is not None), default=None))
+        peak_allocated_gib=max((v for r in d.train if (v := _num(r.get("peak_mem_gib"))) is not None), default=None),
+        startup_s=[v for r in d.startups if (v := _num(r.get("total_s"))) is not None],
+        last_startup=_phases(d.startups[-1]) if d.startups else {})
+
+
+def _phases(record: dict[str, Any]) -> dict[str, float]:
+    """A startup record's phases ("model_s": 1.1 -> "model": 1.1), in the order the job wrote them."""
+    values = {k: _num(v) for k, v in record.items() if k.endswith("_s") and k != "total_s"}
+    return {k[:-2].replace("_", " "): v for k, v in values.items() if v is not None}
 
 
 def _gpu_stats(d: RunData) -> tuple[dict[str, int], dict[str, float]]:

@@ -65,6 +65,11 @@ def test_report_of_a_cpu_run_plots_what_it_has(cpu_run, tmp_path):
     assert "no GPU samples (gpu.jsonl) in this run" in out
     s = side["summary"]
     assert s["steps"] == 12 and s["finished"] and s["mean_mfu"] is None and s["final_eval_loss"] > 0
+    # the one start: its time to the first step, and where it went
+    assert len(s["startup_s"]) == 1 and s["startup_s"][0] > 0
+    assert list(s["last_startup"]) == ["interpreter and imports", "process group", "data", "plan", "model",
+                                       "resume", "first step"]
+    assert f"start-up         {s['startup_s'][0]:.1f} s to the first step; the last: interpreter and imports" in out
 
 
 def test_report_with_gpu_samples_and_a_restart(cpu_run, tmp_path, monkeypatch):
@@ -74,6 +79,8 @@ def test_report_with_gpu_samples_and_a_restart(cpu_run, tmp_path, monkeypatch):
         time.sleep(0.3)
     with open(run / "metrics.jsonl", "a") as fh:  # as a preempted and resumed job appends it
         fh.write(json.dumps({"kind": "resume", "time": time.time(), "step": 6, "checkpoint": "step-6"}) + "\n")
+        fh.write(json.dumps({"kind": "startup", "time": time.time(), "step": 7, "total_s": 31.5,
+                             "interpreter_and_imports_s": 3.0, "first_step_s": 28.5}) + "\n")
         fh.write('{"kind": "train", "step": 13, "loss": 2.')  # a line cut short by a kill
     out_png = tmp_path / "r.png"
     done = report(str(run), "-o", str(out_png))
@@ -82,6 +89,9 @@ def test_report_with_gpu_samples_and_a_restart(cpu_run, tmp_path, monkeypatch):
     assert side["panels"] == ["loss", "tokens/s", "GPU utilization (%)", "GPU memory used (GiB)", "GPU power (W)"]
     assert non_blank(out_png).size == (1300, 1080)  # 3 rows of 2
     assert "restarts         1" in done.stdout
+    # the restart's start-up is the last one; the spread covers both starts
+    assert "start-up         31.5 s to the first step (" in done.stdout and "over 2 starts); the last: " \
+        "interpreter and imports 3.0 s, first step 28.5 s" in done.stdout
     assert "gpu 0            peak memory 62.0 GiB, mean util 98%" in done.stdout
     assert set(side["summary"]["gpu_peak_mem"]) == {"gpu 0", "gpu 1"}
 
