@@ -96,6 +96,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import gpu_name, nvidia_smi_names, rotated, spread, work_dir
+from hpcgpu.contract import startup_phases  # imports nothing of ours, and no torch
 
 REPO = Path(__file__).resolve().parent.parent
 LOOPS = {"minimal": REPO / "benchmarks" / "loop_minimal.py", "careful": REPO / "benchmarks" / "loop_careful.py"}
@@ -360,9 +361,9 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
     res.update(ttfs_s=float(first["time"]) - t_launch, ttfs_inproc_s=None, wall_s=wall, run_dir=str(run_dir))
     startup = next((r for r in recs if r.get("kind") == "startup"), None)  # rank 0's phases (not in old commits)
     if startup is not None:
-        res["startup"] = {k[:-2]: v for k, v in startup.items() if k.endswith("_s") and k != "total_s"}
+        res["startup"] = startup_phases(startup)
         note(f"{program} at {gpus} GPU(s), start-up of rank 0: "
-             + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in res["startup"].items()))
+             + ", ".join(f"{name} {v:.1f} s" for name, v in res["startup"].items()))
     return res
 
 

@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 FAILURES_DIR = "failures"  # <run dir>/failures/<attempt>.rank-<N>.json, one per rank that failed
 
@@ -200,3 +200,14 @@ def batch_signals(run_dir: Path, environ: Mapping[str, str] | None = None) -> li
     except OSError:
         return []
     return [line.split()[0] for line in text.splitlines() if line.split()]
+
+
+# --- a start's "startup" record in metrics.jsonl (written by rank 0, read by `hpcgpu report`) ------
+def startup_fields(phases: Mapping[str, float]) -> dict[str, float]:
+    """The record's field of each start-up phase: {"process group": 0.1} -> {"process_group_s": 0.1}."""
+    return {f"{name.replace(' ', '_')}_s": seconds for name, seconds in phases.items()}
+
+
+def startup_phases(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The phases of a "startup" record, in the order the job wrote them (startup_fields undone)."""
+    return {k[:-2].replace("_", " "): v for k, v in record.items() if k.endswith("_s") and k != "total_s"}

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcgpu.contract import FINISHED_MARKER, is_finished
+from hpcgpu.contract import FINISHED_MARKER, is_finished, startup_phases
 from hpcgpu.errors import HpcgpuError
 
 GiB = 1 << 30
@@ -175,7 +175,6 @@ class Summary:
             lines.append(f"{key:<16} peak memory {peak / GiB:.1f} GiB, mean util {self.gpu_mean_util[key]:.0f}%")
         return "\n".join(lines)
 
-
     def _startup_line(self) -> str:
         n = len(self.startup_s)
         spread = f" ({min(self.startup_s):.1f}-{max(self.startup_s):.1f} s over {n} starts)" if n > 1 else ""
@@ -213,9 +212,9 @@ def summarize(d: RunData) -> Summary:
 
 
 def _phases(record: dict[str, Any]) -> dict[str, float]:
-    """A startup record's phases ("model_s": 1.1 -> "model": 1.1), in the order the job wrote them."""
-    values = {k: _num(v) for k, v in record.items() if k.endswith("_s") and k != "total_s"}
-    return {k[:-2].replace("_", " "): v for k, v in values.items() if v is not None}
+    """A startup record's phases that are numbers, in the order the job wrote them."""
+    values = {name: _num(v) for name, v in startup_phases(record).items()}
+    return {name: v for name, v in values.items() if v is not None}
 
 
 def _gpu_stats(d: RunData) -> tuple[dict[str, int], dict[str, float]]:

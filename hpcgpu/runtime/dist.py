@@ -100,8 +100,16 @@ def any_rank(flags: list[bool], group: Any) -> list[bool]:
     """Each flag, True if it is True on any rank (collective over `group`; host memory only)."""
     if group is None:
         return list(flags)
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+    t = _flags_tensor(flags)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return _flags_of(t)
+
+
+def _flags_tensor(flags: list[bool]) -> torch.Tensor:
+    return torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+
+
+def _flags_of(t: torch.Tensor) -> list[bool]:
     return [v > 0 for v in t.tolist()]
 
 
@@ -128,7 +136,7 @@ class LaggedFlags:
     def exchange(self, flags: list[bool], step: int) -> Agreed:
         """Post `flags` (as of `step`); return the agreement posted at the previous call."""
         agreed = self._collect()
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        t = _flags_tensor(flags)
         work = None
         if self.group is not None:
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -142,7 +150,7 @@ class LaggedFlags:
         self._posted = None
         if work is not None:
             work.wait()
-        return Agreed([v > 0 for v in t.tolist()], step)
+        return Agreed(_flags_of(t), step)
 
     def drain(self) -> None:
         """Wait for the last post (every rank posted it): the group is idle for what follows."""

@@ -117,9 +117,9 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.out_dir / f"rank{self.rank}.trace.json"))
         header = f"profile of steps {window} on rank {self.rank} ({self.device}, torch {torch.__version__})\n"
         text = self.out_dir / f"rank{self.rank}.txt"
-        text.write_text(header + summarize(prof, self.recorded, wall_s, self.device.type))
+        t = device_times(device_events(prof), wall_s) if self.device.type == "cuda" else None
+        text.write_text(header + summarize(prof, self.recorded, wall_s, self.device.type, t))
         if self.rank == 0:
-            t = device_times(device_events(prof), wall_s) if self.device.type == "cuda" else None
             log.info(f"profile of steps {window}: {text}, {wall_s * 1000 / self.recorded:.1f} ms/step"
                      + (f", GPU busy {t.busy:.0%}" if t is not None else ""))
 
@@ -205,15 +205,16 @@ def device_events(prof: Any) -> list[DeviceEvent]:
     return out
 
 
-def summarize(prof: Any, steps: int, wall_s: float, device_type: str) -> str:
+def summarize(prof: Any, steps: int, wall_s: float, device_type: str, times: DeviceTimes | None = None) -> str:
     """The window's wall time per step, on CUDA its device time per step (all, NCCL, compute), the
-    busiest stream's busy and idle time, and the top ops by self device (CUDA) or CPU time."""
+    busiest stream's busy and idle time, and the top ops by self device (CUDA) or CPU time. `times`:
+    the window's device times where the caller has them already."""
     ms = wall_s * 1000 / max(1, steps)
     lines = [f"window: {steps} step(s), {ms:.1f} ms/step wall"]
     averages = prof.key_averages()
     sort_by = "self_cpu_time_total"
     if device_type == "cuda":
-        t = device_times(device_events(prof), wall_s)
+        t = times if times is not None else device_times(device_events(prof), wall_s)
         per = 1000 * max(1, steps)
         if t.stream is None:
             lines.append("device time per step: no kernels recorded")

@@ -12,6 +12,8 @@ import os
 import time
 from typing import Any
 
+from hpcgpu.contract import startup_fields
+
 log = logging.getLogger("hpcgpu")
 
 
@@ -40,7 +42,7 @@ class StartupClock:
 
     def mark(self, phase: str) -> None:
         now = time.time()
-        self.phases[phase] = self.phases.get(phase, 0.0) + max(0.0, now - self.last)
+        self.phases[phase] = max(0.0, now - self.last)
         self.last = now
 
     def first_step_done(self, device: Any, metrics: Any, step: int) -> None:
@@ -55,7 +57,7 @@ class StartupClock:
         self.mark("first step")
         total = sum(self.phases.values())
         metrics.write("startup", step=step, total_s=total, process_start=self.started,
-                      **{f"{name.replace(' ', '_')}_s": s for name, s in self.phases.items()})
+                      **startup_fields(self.phases))
         since = "process start" if self.started is not None else "the clock's start"
         log.info(f"start-up: {total:.1f} s from {since} to step {step} done ("
                  + ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.items()) + ")")

@@ -336,6 +336,12 @@ class Trainer:
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             return causal_lm_loss(logits, batch["labels"])
 
+    def _loss_share(self, idx: torch.Tensor, n: int) -> torch.Tensor:
+        """A micro batch's loss as its share of the step's mean over `n` (without accumulation there is
+        no division by 1 to launch)."""
+        loss = self._micro_loss(idx)
+        return loss / n if n > 1 else loss
+
     def train_step(self) -> torch.Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
         self.model.train()
@@ -353,20 +359,16 @@ class Trainer:
         return total
 
     def _ddp_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        if len(micro_batches) == 1:  # no accumulation: no sum to keep, no division by 1 to launch
-            loss = self._micro_loss(micro_batches[0])
-            self.scaler.scale(loss).backward()
-            self._optimizer_step()
-            return loss.detach()
-        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        total: torch.Tensor | None = None  # the first share itself: no zeros to fill and add to
         for i, idx in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or self.strategy != "ddp" else self.model.no_sync()
+            sync = contextlib.nullcontext() if i == n - 1 or self.strategy != "ddp" else self.model.no_sync()
             with sync:
-                loss = self._micro_loss(idx) / len(micro_batches)
+                loss = self._loss_share(idx, n)
                 self.scaler.scale(loss).backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         self._optimizer_step()
+        assert total is not None  # a step has at least one micro batch
         return total
 
     def _optimizer_step(self) -> None:
@@ -410,7 +412,7 @@ class Trainer:
         try:
             with hold:
                 for idx in micro_batches:
-                    loss = self._micro_loss(idx) / len(micro_batches)
+                    loss = self._loss_share(idx, len(micro_batches))
                     self.scaler.scale(loss).backward()
                     total += loss.detach()
         except torch.cuda.OutOfMemoryError as exc:
