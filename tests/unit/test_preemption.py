@@ -153,6 +153,16 @@ def test_keep_last_k_never_deletes_the_newest(tmp_path):
     assert kept == ["step-00000008", "step-00000010"]  # no save at the final step: the model is saved
 
 
+def test_a_time_based_checkpoint_is_written_once_when_due_not_again_at_the_next_step(tmp_path):
+    """every_minutes is agreed a step late: the flags posted before a save must not ask for another
+    one right after it (due at every step here, so one save every other step, none at the last)."""
+    spec = write(tmp_path, spec_doc(tmp_path / "runs", every_steps=None, every_minutes=1e-6, keep=20))
+    proc = submit(spec, "--new")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = sorted(p.name for p in (run_dir_of(proc) / "checkpoints").iterdir())
+    assert saved == [f"step-{s:08d}" for s in (2, 4, 6, 8, 10)]
+
+
 def test_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path):
     doc = spec_doc(tmp_path / "runs")
     doc["train"]["max_steps"] = 400
