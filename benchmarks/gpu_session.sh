@@ -16,7 +16,8 @@
 #            counts, default 1,2[,4], pooled over calls in /tmp/ib; a round ~ rows x sum(1/width) / 34 s
 #            of loops + ~22 s a process on H100s), infer-tests,
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
-#            peak memory), dataparallel (README's DataParallel figure), train-round (one train_vs_loops round),
+#            peak memory), dataparallel (README's DataParallel figure), train-round ($TRAIN_ROUNDS train_vs_loops rounds, default 1; the deadline stops
+#            between runs, and the next call completes a cut round),
 #            train-variants (one round at 2 GPUs: minimal, hpcgpu and hpcgpu with $TRAIN_VARIANTS set, default
 #            gradient_as_bucket_view; pooled in /tmp/tvl/variants.json; TRAIN_VARIANTS="old@.ab/old" runs an
 #            earlier commit's package beside this one: `git archive REV hpcgpu | tar -x -C .ab/old`, carry .ab),
@@ -60,7 +61,7 @@ run_step() {
     dataparallel) fits 220 && step python3 benchmarks/dataparallel.py --gpus 2 --repeats 3 --modes one,dp 2>&1 \
         | tee "$OUT/dataparallel.log" | tail -8 ;;
     train-round) fits 200 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${BENCH_GPUS:-1,2}" \
-        --repeats 1 --work /tmp/tvl --append /tmp/tvl/rounds.json \
+        --repeats "${TRAIN_ROUNDS:-1}" --work /tmp/tvl --append /tmp/tvl/rounds.json \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30 ;;
     train-variants) fits 300 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus 2 --repeats 1 \
         --programs minimal,hpcgpu --hpcgpu-variants "${TRAIN_VARIANTS:-gabv:distributed.ddp.gradient_as_bucket_view=true}" \
