@@ -22,7 +22,12 @@
 #            gradient_as_bucket_view; pooled in /tmp/tvl/variants.json; TRAIN_VARIANTS="old@.ab/old" runs an
 #            earlier commit's package beside this one: `git archive REV hpcgpu | tar -x -C .ab/old`, carry .ab),
 #            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs),
-#            profile-test (tests/gpu: train.profile's kernel and NCCL times on 2 GPUs)
+#            profile-test (tests/gpu: train.profile's kernel and NCCL times on 2 GPUs),
+#            mfu (#15 part 3, the MFU goals: $MFU_ROUNDS train_vs_loops rounds, default 1, at 1 GPU of minimal,
+#            hpcgpu and hpcgpu with $MFU_VARIANTS_GPT2 / $MFU_VARIANTS_LLAMA set (default none), for gpt2-124m
+#            (600 timed steps) then llama-1b (150 timed steps, ~0.15-0.2 s each); pooled per model in
+#            /tmp/tvl-mfu/<model>.json (other variants: another file, rm it); ~6 min with cold compile caches,
+#            ~4 min warm; llama-1b is skipped when less than ~200 s are left after gpt2-124m)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +45,14 @@ fits() {  # fits SECONDS: is there that much left of this call's budget?
   echo "=== skipped (needs ~$1 s, $left s left of the call)"; return 1
 }
 inv_sum() { local t=0 w; for w in ${1//,/ }; do t=$(( t + 1000 / w )); done; echo "$t"; }  # 1000 x sum of 1/width
+mfu_round() {  # mfu_round MODEL VARIANTS [train_vs_loops flags...]: one interleaved round at 1 GPU, minimal vs hpcgpu
+  local model="$1" variants="$2"; shift 2
+  mkdir -p /tmp/tvl-mfu
+  step python3 benchmarks/train_vs_loops.py --gpus 1 --repeats "${MFU_ROUNDS:-1}" --programs minimal,hpcgpu \
+    --hpcgpu-variants "$variants" --model "$model" "$@" --work /tmp/tvl-mfu --append "/tmp/tvl-mfu/$model.json" \
+    --json "$OUT/mfu_$model.json" --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 \
+    | tee "$OUT/mfu_$model.log" | tail -25
+}
 pytest_gpu() { python3 -m pytest -q -s -p no:cacheprovider -rs "$@" 2>&1 | grep -vE "Warning|warn\(" ; }
 run_step() {
   local widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
@@ -71,6 +84,8 @@ run_step() {
         | tee "$OUT/profile_step.log" | grep -vE "^ +[a-zA-Z_:.]+ +[0-9.]+%" | tail -40
       # profile_step.py copies each program's traces to $OUT/profile/{minimal,hpcgpu}: one archive comes back, not ~8 files
       [ -d "$OUT/profile" ] && tar czf "$OUT/profiles.tgz" -C "$OUT" profile && rm -rf "$OUT/profile" ;;
+    mfu) fits 360 && { mfu_round gpt2-124m "${MFU_VARIANTS_GPT2:-}"
+      fits 200 && mfu_round llama-1b "${MFU_VARIANTS_LLAMA:-}" --steps 150 --warmup 20 --log-every 10; } ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

@@ -2,14 +2,16 @@
 
     torchrun --standalone --nproc_per_node N benchmarks/loop_careful.py [--steps 600] [--warmup 50]
 
-The model, precision and compile as benchmarks/loop_minimal.py (HF GPT2LMHeadModel from a config,
-random init, sdpa, dropout 0, vocab 50304, default GPT-2 124M; torch.compile, then DDP when
-WORLD_SIZE > 1; bf16 autocast on CUDA), plus what a real run has, as nanoGPT's train.py does it:
+The model, precision and compile as benchmarks/loop_minimal.py (--model: HF GPT2LMHeadModel, GPT-2
+124M, or LlamaForCausalLM in Llama-3.2-1B's shape, from a config, random init, sdpa, dropout 0;
+torch.compile, then DDP when WORLD_SIZE > 1; bf16 autocast on CUDA), plus what a real run has, as
+nanoGPT's train.py does it:
 
-- data: a token array in host memory (--data-tokens random uint16 tokens, seeded, the same on every
-  rank); each micro batch is --micro-batch windows of --seq-len tokens at random offsets (torch RNG,
-  seeded per rank), stacked, copied to pinned memory and sent with non_blocking=True; the next batch
-  is drawn while the GPU still runs the forward pass (nanoGPT's prefetch)
+- data: a token array in host memory (--data-tokens random tokens, seeded, the same on every rank;
+  uint16, uint32 where the vocabulary is larger); each micro batch is --micro-batch windows of
+  --seq-len tokens at random offsets (torch RNG, seeded per rank), stacked, copied to pinned memory
+  and sent with non_blocking=True; the next batch is drawn while the GPU still runs the forward
+  pass (nanoGPT's prefetch)
 - AdamW with decay / no-decay groups (weight decay 0.1 on >= 2-D tensors), betas (0.9, 0.95),
   fused on CUDA
 - cosine LR with linear warmup (--lr-warmup steps; to lr/10 at the last step), set every step
@@ -36,19 +38,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from loop_common import build_model, flops_per_token, peak_flops, setup_dist, sync  # noqa: E402
+from loop_common import (add_model_args, build_model, flops_per_token, model_defaults,  # noqa: E402
+                         peak_flops, setup_dist, sync)
 
 # dense bf16 tensor FLOP/s (no sparsity), hpcgpu/gpu/peak.py's numbers; the first match wins
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n-layer", type=int, default=12)
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--n-head", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (also n_positions)")
-    ap.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per forward pass")
+    add_model_args(ap)  # --model, the size flags, --seq-len, --micro-batch
     ap.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step (no_sync before the last)")
     ap.add_argument("--steps", type=int, default=600, help="timed optimizer steps, after --warmup")
     ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (>= 1; step 1 compiles)")
@@ -65,10 +63,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by name)")
     args = ap.parse_args()
+    model_defaults(ap, args)
     if args.warmup < 1 or args.steps < 1 or args.log_every < 1:
         ap.error("--warmup, --steps and --log-every must be >= 1")
-    if args.vocab > 65536:
-        ap.error("--vocab: the token array is uint16")
     if args.data_tokens <= args.seq_len:
         ap.error("--data-tokens must exceed --seq-len")
     return args
@@ -108,7 +105,8 @@ def main() -> None:
     opt = make_optimizer(raw, args, device)
     autocast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else contextlib.nullcontext
 
-    data = np.random.default_rng(args.seed).integers(0, args.vocab, size=args.data_tokens, dtype=np.uint16)
+    dtype = np.uint16 if args.vocab <= 65536 else np.uint32  # nanoGPT's uint16 where the vocabulary fits
+    data = np.random.default_rng(args.seed).integers(0, args.vocab, size=args.data_tokens, dtype=dtype)
     torch.manual_seed(1337 + args.seed + rank)  # each rank its own batch offsets
 
     def get_batch() -> torch.Tensor:

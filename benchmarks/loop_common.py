@@ -1,5 +1,6 @@
 """What benchmarks/loop_minimal.py and loop_careful.py share: the torchrun-style process group, the
-model, and the FLOP counts behind MFU (the peak table is hpcgpu's own, hpcgpu/gpu/peak.py)."""
+model (--model and its size flags), and the FLOP counts behind MFU (the peak table is hpcgpu's own,
+hpcgpu/gpu/peak.py)."""
 from __future__ import annotations
 
 import argparse
@@ -25,25 +26,77 @@ def setup_dist(args: argparse.Namespace) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
+# --model: each model's defaults for the size flags (--n-layer etc.) and --seq-len / --micro-batch; the
+# flags, when given, win. gpt2-124m: GPT-2 124M; llama-1b: Llama-3.2-1B's shape (GQA, tied embeddings).
+# benchmarks/train_vs_loops.py has the same table (it imports no torch, so not this file).
+MODELS: dict[str, dict[str, int | None]] = {
+    "gpt2-124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_kv_head": None, "intermediate": None,
+                  "vocab": 50304, "seq_len": 1024, "micro_batch": 16},
+    "llama-1b": {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_kv_head": 8, "intermediate": 8192,
+                 "vocab": 128256, "seq_len": 2048, "micro_batch": 4},
+}
+LLAMA_ONLY = ("n_kv_head", "intermediate")
 
-    extra = {} if args.vocab > 50256 else {"bos_token_id": None, "eos_token_id": None}  # gpt2's 50256 lies outside
-    cfg = GPT2Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, n_positions=args.seq_len,
-                     vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     attn_implementation="sdpa", **extra)
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--model and the size flags (defaults: the model's, from MODELS)."""
+    ap.add_argument("--model", choices=list(MODELS), default="gpt2-124m",
+                    help="gpt2-124m: HF GPT2LMHeadModel, GPT-2 124M (default); llama-1b: HF LlamaForCausalLM, "
+                         "Llama-3.2-1B's shape (rope_theta 500000, tied embeddings); from a config, random init")
+    ap.add_argument("--n-layer", type=int, default=None, help="layers (default 12 / 16)")
+    ap.add_argument("--n-embd", type=int, default=None, help="hidden size (default 768 / 2048)")
+    ap.add_argument("--n-head", type=int, default=None, help="attention heads (default 12 / 32)")
+    ap.add_argument("--n-kv-head", type=int, default=None, help="llama-1b: key/value heads (default 8)")
+    ap.add_argument("--intermediate", type=int, default=None, help="llama-1b: MLP width (default 8192)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 50304 / 128256)")
+    ap.add_argument("--seq-len", type=int, default=None,
+                    help="tokens per sequence, also the position table (default 1024 / 2048)")
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per forward pass (default 16 / 4)")
+
+
+def model_defaults(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The size flags not given take --model's values."""
+    if args.model != "llama-1b" and any(getattr(args, k) is not None for k in LLAMA_ONLY):
+        ap.error("--n-kv-head and --intermediate are for --model llama-1b")
+    for key, value in MODELS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    with torch.device(device):
-        model = GPT2LMHeadModel(cfg)
+    if getattr(args, "model", "gpt2-124m") == "llama-1b":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=args.n_embd, intermediate_size=args.intermediate,
+                          num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                          num_key_value_heads=args.n_kv_head, vocab_size=args.vocab,
+                          max_position_embeddings=args.seq_len, tie_word_embeddings=True, rope_theta=500000.0,
+                          attention_dropout=0.0, attn_implementation="sdpa")
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        extra = {} if args.vocab > 50256 else {"bos_token_id": None, "eos_token_id": None}  # gpt2's 50256 lies outside
+        cfg = GPT2Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, n_positions=args.seq_len,
+                         vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         attn_implementation="sdpa", **extra)
+        with torch.device(device):
+            model = GPT2LMHeadModel(cfg)
     if getattr(args, "name_loss", False):  # what hpcgpu does (runtime/model.py name_its_loss): one graph
-        model.loss_type = "ForCausalLM"
+        model.loss_type = "ForCausalLM"  # (LlamaForCausalLM's name says it already)
     return model.train()
 
 
 def flops_per_token(model: torch.nn.Module, args: argparse.Namespace) -> float:
-    """hpcgpu's count (runtime/tasks/train.py flops_per_token): 6N plus attention, PaLM appendix B."""
+    """hpcgpu's count (runtime/tasks/train.py flops_per_token): 6N plus attention, PaLM appendix B, from
+    the model's config (GPT-2's n_layer / n_head / n_embd answer to these names too); N counts tied
+    weights once, as model.parameters() does."""
+    cfg = model.config
     n = sum(p.numel() for p in model.parameters())
-    return 6 * n + 12 * args.n_layer * args.n_head * (args.n_embd // args.n_head) * args.seq_len
+    layers, heads, hidden = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.hidden_size
+    return 6 * n + 12 * layers * heads * (hidden // heads) * args.seq_len
 
 
 def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[str, float | None]:

@@ -2,9 +2,13 @@
 
     torchrun --standalone --nproc_per_node N benchmarks/loop_minimal.py [--steps 600] [--warmup 50]
 
-Hugging Face GPT2LMHeadModel from a config (random init, seeded; sdpa attention, dropout 0, vocab
-50304; default GPT-2 124M; its forward with the loss compiles as two graphs, split by transformers'
-warning about the unnamed loss, unless --name-loss), compiled whole (torch.compile of the model, then DDP with its default
+A Hugging Face model from a config (random init, seeded; sdpa attention, dropout 0), by --model:
+gpt2-124m (default), GPT2LMHeadModel, GPT-2 124M, vocab 50304, seq 1024, micro 16 (its forward with
+the loss compiles as two graphs, split by transformers' warning about the unnamed loss, unless
+--name-loss); llama-1b, LlamaForCausalLM in Llama-3.2-1B's shape (16 layers, hidden 2048, 32 heads,
+8 KV heads, MLP 8192, vocab 128256, rope_theta 500000, tied embeddings), seq 2048, micro 4; the size
+flags (--n-layer, --n-embd, --n-head, --vocab; llama: --n-kv-head, --intermediate), --seq-len and
+--micro-batch override them. Compiled whole (torch.compile of the model, then DDP with its default
 buckets when WORLD_SIZE > 1: the order hpcgpu and nanoGPT use), fused AdamW (on CUDA), bf16 autocast
 (on CUDA; fp32 on the CPU unless --precision says otherwise). One fixed random batch, made on the
 device once: no data pipeline at all. Each step is loss.backward(); opt.step();
@@ -38,19 +42,15 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from loop_common import build_model, flops_per_token, peak_flops, setup_dist, sync  # noqa: E402
+from loop_common import (add_model_args, build_model, flops_per_token, model_defaults,  # noqa: E402
+                         peak_flops, setup_dist, sync)
 
 # dense bf16 tensor FLOP/s (no sparsity), hpcgpu/gpu/peak.py's numbers; the first match wins
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--n-layer", type=int, default=12)
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--n-head", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (also n_positions)")
-    ap.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per forward pass")
+    add_model_args(ap)  # --model, the size flags, --seq-len, --micro-batch
     ap.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step (no_sync before the last)")
     ap.add_argument("--steps", type=int, default=600, help="timed optimizer steps, after --warmup")
     ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (>= 1; step 1 compiles)")
@@ -74,6 +74,7 @@ def parse_args() -> argparse.Namespace:
                     "--warmup and --steps")
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps")
     args = ap.parse_args()
+    model_defaults(ap, args)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
     if args.profile_start < 1 or args.profile_steps < 1:

@@ -13,12 +13,27 @@
         --append /tmp/tvl/rounds.json --deadline 540          # x3 (or until 3 rounds at each count)
     # (or one GPU count per call, --gpus 1 then --gpus 2, into the same --append file: rounds are
     # counted per GPU count, and the report covers every count in the file)
-    # everything tiny on the CPU (gloo, 1 and 2 ranks), to check the script end to end; measures nothing:
-    python benchmarks/train_vs_loops.py --smoke
+    # the Llama-style ~1B model (--model below) at 1 GPU, fewer steps (~0.15-0.2 s a step on an H100):
+    PYTHONPATH=$PWD python benchmarks/train_vs_loops.py --model llama-1b --gpus 1 --programs minimal,hpcgpu \
+        --steps 150 --warmup 20 --work /tmp/tvl-mfu --append /tmp/tvl-mfu/llama-1b.json
+    # everything tiny on the CPU (gloo, 1 and 2 ranks), to check the script end to end; measures nothing
+    # (--model llama-1b: a tiny Llama, 2 layers, 64 hidden, 4 heads, 2 KV heads, MLP 128, vocab 512):
+    python benchmarks/train_vs_loops.py --smoke [--model llama-1b]
 
-The three programs, each in a fresh process, same model and settings (GPT-2 124M from a config,
-random init, vocab 50304, dropout 0, sdpa; seq 1024; bf16 autocast; torch.compile; fused AdamW;
-micro 16 x accum 1 per GPU; DDP at 2+ GPUs, none at 1):
+The model, --model (from a config, random init, dropout 0, sdpa; the same in all programs):
+
+    gpt2-124m  (default) GPT-2 124M: HF GPT2LMHeadModel, 12 layers, 768 hidden, 12 heads, vocab 50304;
+               seq 1024, micro 16 by default; --n-layer, --n-embd, --n-head change its shape
+    llama-1b   Llama-3.2-1B's shape: HF LlamaForCausalLM, 16 layers, 2048 hidden, 32 heads, 8 KV heads,
+               MLP 8192, vocab 128256, rope_theta 500000, tied embeddings (1.24B params); seq 2048,
+               micro 4 by default; its shape is fixed (--n-layer, --n-embd, --n-head: an error). The
+               issue's MFU goal for it is 40% on one H100/H200 (GPT-2 124M's: 35%)
+
+--seq-len, --micro-batch and --vocab, when given, win over the model's defaults. The model is part of
+the setup (--append pools only rounds of one model).
+
+The three programs, each in a fresh process, same model and settings (bf16 autocast; torch.compile;
+fused AdamW; micro 16 (4) x accum 1 per GPU; DDP at 2+ GPUs, none at 1):
 
     minimal   benchmarks/loop_minimal.py under torchrun --standalone --nproc_per_node N: the ceiling
               (one fixed random batch on the GPU, backward/step/zero_grad, no clipping, no scheduler,
@@ -28,11 +43,12 @@ micro 16 x accum 1 per GPU; DDP at 2+ GPUs, none at 1):
               with warmup, the loss read every --log-every steps)
     hpcgpu    `python -m hpcgpu submit SPEC --executor local --new --gpus N`, task: train, the spec
               (JSON) mirroring the loops: model.config, data.train a random text file of
-              --data-tokens bytes (byte tokenizer: a token a byte; the loops' host array has as many
-              tokens), micro_batch_size 16, global_batch_size 16 x accum x N, strategy ddp,
-              precision bf16, compile true, grad_clip 1.0, warmup 10, eval off, no checkpoints; the GPU
-              monitor at its default (on), as users run it (--hpcgpu-set monitor.enabled=false to
-              see its cost). Its data sits on the GPU (it keeps token blocks under 1 GiB there), the
+              --data-tokens bytes (default 4M, 4096 sequences at seq 2048; byte tokenizer: a token a
+              byte, ids < 256 whatever the vocabulary; the loops' host array has as many tokens),
+              micro_batch_size 16 (4), global_batch_size micro x accum x N, strategy ddp, precision
+              bf16, compile true, grad_clip 1.0, warmup 10, eval off, no checkpoints; the GPU monitor
+              at its default (on), as users run it (--hpcgpu-set monitor.enabled=false to see its
+              cost). Its data sits on the GPU (it keeps token blocks under 1 GiB there), the
               careful loop's in host memory; the final model it saves is not timed (and is deleted)
     hpcgpu+NAME  --hpcgpu-variants "NAME:key=value,...;...": hpcgpu with those dotted spec keys set (values
               JSON where they parse), run in the same rounds as the others, to measure a setting side by
@@ -40,7 +56,8 @@ micro 16 x accum 1 per GPU; DDP at 2+ GPUs, none at 1):
               the hpcgpu package in DIR instead (an earlier commit's), to measure what a change bought
 
 How it is measured. Each run does --warmup untimed steps (step 1 compiles), then --steps timed steps
-(default 600: ~27 s at ~45 ms/step, GPT-2 124M on an H100); runs under --min-seconds (20 s) timed
+(default 600: ~27 s at ~45 ms/step, GPT-2 124M on an H100; for llama-1b, ~150 ms/step at 40% MFU,
+give --steps 150 --warmup 20); runs under --min-seconds (20 s) timed
 are flagged with the --steps that would reach it. tok/s = tokens of the timed steps / their time
 (tokens = micro x accum x seq x GPUs per step). The loops time the steps between two
 torch.cuda.synchronize() calls; hpcgpu's comes from its run dir's metrics.jsonl: "train" records
@@ -103,8 +120,24 @@ LOOPS = {"minimal": REPO / "benchmarks" / "loop_minimal.py", "careful": REPO / "
 PROGRAMS = ["minimal", "careful", "hpcgpu"]
 TARGET_VS_CAREFUL, TARGET_VS_MINIMAL, TARGET_TTFS_SLACK_S = 1.00, 0.97, 2.0
 ORIG_ENV = dict(os.environ)
-SETUP_KEYS = ("n_layer", "n_embd", "n_head", "vocab", "seq_len", "micro_batch", "accum", "steps", "warmup",
+SETUP_KEYS = ("model", "n_layer", "n_embd", "n_head", "vocab", "seq_len", "micro_batch", "accum", "steps", "warmup",
               "log_every", "compile", "data_tokens", "precision", "lr", "child_env", "hpcgpu_set", "smoke")
+DEFAULT_MODEL = "gpt2-124m"  # a setup (an --append file) from before --model is of this one
+MODEL_KIND = {"gpt2-124m": "GPT-2", "llama-1b": "Llama"}
+# --model: the shape (layers, hidden, heads; llama's KV heads and MLP width), vocab and the defaults of
+# --seq-len / --micro-batch; the loops have the same table (loop_common.py MODELS). --smoke: SMOKE's.
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt2-124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_kv_head": None, "intermediate": None,
+                  "vocab": 50304, "seq_len": 1024, "micro_batch": 16},
+    "llama-1b": {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_kv_head": 8, "intermediate": 8192,
+                 "vocab": 128256, "seq_len": 2048, "micro_batch": 4},
+}
+SMOKE = {
+    "gpt2-124m": {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_kv_head": None, "intermediate": None,
+                  "vocab": 512, "seq_len": 64, "micro_batch": 4},
+    "llama-1b": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "intermediate": 128,
+                 "vocab": 512, "seq_len": 64, "micro_batch": 4},
+}
 
 
 def note(msg: str) -> None:
@@ -174,14 +207,28 @@ def tail(text: str, n: int = 2500) -> str:
     return text[-n:].rstrip()
 
 
+def model_of(args: argparse.Namespace) -> str:
+    """--model (a namespace without it, profile_step.py's, is of GPT-2 124M)."""
+    return getattr(args, "model", DEFAULT_MODEL)
+
+
+def model_tag(args: argparse.Namespace) -> str:
+    """A prefix for the names of logs, specs and run dirs: "" for GPT-2 124M (the names it always had), else
+    the model's, so that models sharing a work dir keep theirs apart."""
+    return "" if model_of(args) == DEFAULT_MODEL else f"{model_of(args)}-"
+
+
 def loop_cmd(args: argparse.Namespace, program: str, gpus: int, warmup: int, steps: int) -> list[str]:
+    model = model_of(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           str(LOOPS[program]), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
+           str(LOOPS[program]), "--model", model, "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
            "--n-head", str(args.n_head), "--vocab", str(args.vocab), "--seq-len", str(args.seq_len),
            "--micro-batch", str(args.micro_batch), "--accum", str(args.accum), "--steps", str(steps),
            "--warmup", str(warmup), "--compile" if args.compile else "--no-compile",
            "--device", "cpu" if args.cpu else "auto", "--precision", args.precision, "--lr", str(args.lr),
            "--seed", str(args.seed)]
+    if model == "llama-1b":
+        cmd += ["--n-kv-head", str(args.n_kv_head), "--intermediate", str(args.intermediate)]
     if program == "careful":
         cmd += ["--log-every", str(args.log_every), "--data-tokens", str(args.data_tokens), "--grad-clip", "1.0",
                 "--lr-warmup", "10"]
@@ -191,8 +238,8 @@ def loop_cmd(args: argparse.Namespace, program: str, gpus: int, warmup: int, ste
 def run_loop(args: argparse.Namespace, work: Path, program: str, gpus: int, tag: str,
              warmup: int | None = None, steps: int | None = None) -> dict[str, Any]:
     cmd = loop_cmd(args, program, gpus, warmup or args.warmup, steps or args.steps)
-    rc, t_launch, out, err = launch(cmd, child_env(args, work), work / "logs" / f"{tag}-{program}-{gpus}g",
-                                    args.timeout)
+    rc, t_launch, out, err = launch(cmd, child_env(args, work),
+                                    work / "logs" / f"{model_tag(args)}{tag}-{program}-{gpus}g", args.timeout)
     wall = time.time() - t_launch
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if rc != 0 or not lines:
@@ -224,6 +271,13 @@ def random_text(path: Path, n_bytes: int, seed: int) -> None:
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    """hpcgpu's model.config: the config the loops build (loop_common.py build_model), as a mapping."""
+    if model_of(args) == "llama-1b":
+        return {"model_type": "llama", "hidden_size": args.n_embd, "intermediate_size": args.intermediate,
+                "num_hidden_layers": args.n_layer, "num_attention_heads": args.n_head,
+                "num_key_value_heads": args.n_kv_head, "vocab_size": args.vocab,
+                "max_position_embeddings": args.seq_len, "tie_word_embeddings": True, "rope_theta": 500000.0,
+                "attention_dropout": 0.0, "attn_implementation": "sdpa"}
     cfg: dict[str, Any] = {"model_type": "gpt2", "n_layer": args.n_layer, "n_head": args.n_head,
                            "n_embd": args.n_embd, "n_positions": args.seq_len, "vocab_size": args.vocab,
                            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
@@ -329,7 +383,7 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
     warmup, steps = warmup or args.warmup, steps or args.steps
     prime = tag == "prime"
     variant = program.partition("+")[2]  # its own spec name: its own spec file and run dirs
-    name = f"tvl-{gpus}g" + (f"-{variant}" if variant else "") + ("-prime" if prime else "")
+    name = f"tvl-{model_tag(args)}{gpus}g" + (f"-{variant}" if variant else "") + ("-prime" if prime else "")
     spec = hpcgpu_spec(args, work, data, gpus, warmup + steps, 1 if prime else args.log_every, name,
                        args.variants.get(program))
     cmd = [sys.executable, "-m", "hpcgpu", "submit", str(spec), "--executor", "local", "--new", "--gpus", str(gpus)]
@@ -340,7 +394,8 @@ def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag:
     if checkout is not None:  # that checkout's hpcgpu: first on the path, and the cwd `-m` looks in first
         env["PYTHONPATH"] = os.pathsep.join([checkout, env["PYTHONPATH"]])
         cwd = Path(checkout)
-    rc, t_launch, out, err = launch(cmd, env, work / "logs" / f"{tag}-{program}-{gpus}g", args.timeout, cwd)
+    rc, t_launch, out, err = launch(cmd, env, work / "logs" / f"{model_tag(args)}{tag}-{program}-{gpus}g",
+                                    args.timeout, cwd)
     wall = time.time() - t_launch
     if rc != 0:
         raise RunFailed(f"{program} at {gpus} GPU(s) failed (exit {rc}; `{' '.join(cmd[1:])}`):\n{tail(out, 1000)}\n"
@@ -376,17 +431,18 @@ def run_program(args: argparse.Namespace, work: Path, data: Path, program: str, 
 
 class PrimedPairs:
     """The (program, GPU count) pairs whose compiled graphs are in the shared cache (a JSON list); a
-    --hpcgpu-variants program is a program of its own (its settings may compile other graphs)."""
+    --hpcgpu-variants program is a program of its own (its settings may compile other graphs), and so is
+    a program on another --model (prefix: model_tag; none for GPT-2 124M, as before)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, prefix: str = ""):
+        self.path, self.prefix = path, prefix
         self.pairs = set(json.loads(path.read_text())) if path.exists() else set()
 
     def has(self, program: str, gpus: int) -> bool:
-        return f"{program}@{gpus}" in self.pairs
+        return f"{self.prefix}{program}@{gpus}" in self.pairs
 
     def add(self, program: str, gpus: int) -> None:
-        self.pairs.add(f"{program}@{gpus}")
+        self.pairs.add(f"{self.prefix}{program}@{gpus}")
         self.path.write_text(json.dumps(sorted(self.pairs)))
 
 
@@ -545,8 +601,9 @@ def print_report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
     w = max([8, *map(len, programs)])  # the program column: 8 unless a variant's name is longer
     params = next((r.get("params") for res in results.values() for runs in res.values() for r in runs
                    if r.get("params")), None)
-    print(f"# train: hpcgpu vs hand-written loops; GPT-2 ({args.n_layer} layers, {args.n_embd} hidden, "
-          f"{args.n_head} heads, vocab {args.vocab}"
+    llama = (f", {args.n_kv_head} KV heads, MLP {args.intermediate}" if args.model == "llama-1b" else "")
+    print(f"# train: hpcgpu vs hand-written loops; {args.model}: {MODEL_KIND[args.model]} ({args.n_layer} layers, "
+          f"{args.n_embd} hidden, {args.n_head} heads{llama}, vocab {args.vocab}"
           + (f", {params / 1e6:.1f}M params" if params else "") + f"), seq {args.seq_len}, micro "
           f"{args.micro_batch} x accum {args.accum} per GPU, {args.precision}, compile "
           f"{'on' if args.compile else 'off'}, {'fused ' if not args.cpu else ''}AdamW; {args.warmup} untimed + "
@@ -632,6 +689,8 @@ def earlier(args: argparse.Namespace, setup: dict[str, Any]) -> tuple[dict[str, 
     if args.append is None or not args.append.exists():
         return {}, [], []
     old = json.loads(args.append.read_text())
+    if old.get("setup") is not None and "model" not in old["setup"]:  # written before --model: GPT-2 124M's
+        old["setup"] = {"model": DEFAULT_MODEL, **old["setup"]}
     if old.get("setup") != setup:
         was = old.get("setup") or {}
         diff = sorted(k for k in set(setup) | set(was) if setup.get(k) != was.get(k))
@@ -644,8 +703,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny model (2 layers, 64 hidden, vocab 512), seq 64, 2 + 6 steps, CPU ranks (gloo), "
-                         "no compile, fp32, --gpus 1,2, 1 round, no 20 s rule: checks the script, measures nothing")
+                    help="tiny model (2 layers, 64 hidden, vocab 512; GPT-2: 2 heads; llama-1b: 4 heads, 2 KV heads, "
+                         "MLP 128), seq 64, 2 + 6 steps, CPU ranks (gloo), no compile, fp32, --gpus 1,2, 1 round, "
+                         "no 20 s rule: checks the script, measures nothing")
     ap.add_argument("--gpus", default="1,2", help="GPU counts, comma-separated (default 1,2)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds in this call (default 3; 1 smoke)")
     ap.add_argument("--steps", type=int, default=600,
@@ -654,20 +714,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--log-every", type=int, default=10,
                     help="hpcgpu's train.log_every and the careful loop's loss read-back interval (default 10); "
                          "--warmup and --steps must be multiples")
-    ap.add_argument("--n-layer", type=int, default=12)
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--n-head", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=16, help="sequences per GPU per forward pass (default 16)")
+    ap.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
+                    help="gpt2-124m (default): GPT-2 124M; llama-1b: Llama-3.2-1B's shape (16 layers, 2048 hidden, "
+                         "32 heads, 8 KV heads, MLP 8192, vocab 128256, tied embeddings); from a config, random "
+                         "weights; it sets the defaults of --vocab, --seq-len and --micro-batch; part of the setup")
+    ap.add_argument("--n-layer", type=int, default=None, help="gpt2-124m only (default 12)")
+    ap.add_argument("--n-embd", type=int, default=None, help="gpt2-124m only (default 768)")
+    ap.add_argument("--n-head", type=int, default=None, help="gpt2-124m only (default 12)")
+    ap.add_argument("--vocab", type=int, default=None, help="default 50304 (gpt2-124m), 128256 (llama-1b)")
+    ap.add_argument("--seq-len", type=int, default=None, help="default 1024 (gpt2-124m), 2048 (llama-1b)")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="sequences per GPU per forward pass (default 16 (gpt2-124m), 4 (llama-1b))")
     ap.add_argument("--accum", type=int, default=1, help="gradient accumulation (default 1)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile (default on)")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default bf16 (fp32 with --smoke)")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-tokens", type=int, default=1 << 22,
+    ap.add_argument("--data-tokens", type=int, default=None,
                     help="tokens of training data: the careful loop's host array and hpcgpu's text file "
-                         "(bytes) (default 4M)")
+                         "(bytes) (default 4M, or 4096 sequences where --seq-len is above 1024)")
     ap.add_argument("--programs", default=",".join(PROGRAMS), help="subset, comma-separated (default all three)")
     ap.add_argument("--prime", action=argparse.BooleanOptionalAction, default=None,
                     help="a short untimed run of each program at each count first, to fill the shared compile "
@@ -697,10 +762,18 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, on_sigterm)
     args.cpu = args.smoke
-    if args.smoke:
-        args.n_layer, args.n_embd, args.n_head, args.vocab, args.seq_len = 2, 64, 2, 512, 64
-        args.micro_batch, args.accum, args.steps, args.warmup, args.log_every = 4, 1, 6, 2, 2
+    if args.model != DEFAULT_MODEL and any(v is not None for v in (args.n_layer, args.n_embd, args.n_head)):
+        ap.error(f"--n-layer, --n-embd and --n-head shape GPT-2 (--model {DEFAULT_MODEL}); {args.model} has "
+                 "its own shape")
+    if args.smoke:  # the model's tiny shape, whatever was given
+        vars(args).update(SMOKE[args.model])
+        args.accum, args.steps, args.warmup, args.log_every = 1, 6, 2, 2
         args.compile, args.data_tokens, args.min_seconds = False, 1 << 16, 0.0
+    for key, value in MODELS[args.model].items():  # what was not given: the model's
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.data_tokens is None:  # 4M tokens (4096 sequences at 1024), and 4096 sequences at longer ones
+        args.data_tokens = max(1 << 22, 4096 * args.seq_len)
     args.precision = args.precision or ("fp32" if args.smoke else "bf16")
     args.repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 3)
     if args.repeats < 1:
@@ -757,7 +830,7 @@ def main(argv: list[str]) -> int:
         cache = work / "inductor-cache"
         prime = bool(args.prime) and args.compile
         cache.mkdir(exist_ok=True)
-        primed = PrimedPairs(cache / "primed.json")
+        primed = PrimedPairs(cache / "primed.json", model_tag(args))
         longest = 0.0
 
         def out_of_time() -> bool:

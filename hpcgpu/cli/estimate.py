@@ -105,7 +105,7 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
     if spec.task == "infer":
         return estimate_infer(spec, gpu_total, gpu_what, prompt_tokens, as_json)
     n_params, cfg = count_params(spec)
-    d = dims_from_config(cfg, spec.data.seq_len, n_params, compiled_step(spec))
+    d = dims_from_config(cfg, spec.data.seq_len, n_params, compiled_step(spec), spec.train.fused_loss is True)
     world = spec.world_size
     rec = recommend_for_job(spec, n_params, cfg, gpu_total, world)
     micro = micro_batch or rec.micro_batch

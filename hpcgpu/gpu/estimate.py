@@ -12,7 +12,9 @@ Model states (Psi = parameter count), per GPU, world size N:
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16, no recomputation):
   per layer  s*b*h*(34 + 5*a*s/h) bytes; the 5as/h term (the attention matrix) is gone with
              flash/SDPA attention, which never stores it
-  logits     b*s*V*(2 + 4 + 4) bytes: bf16 logits, their fp32 copy, fp32 log-softmax (HF's loss)
+  logits     b*s*V*(2 + 4 + 4) bytes: bf16 logits, their fp32 copy, fp32 log-softmax (HF's loss);
+             with train.fused_loss (Liger's fused linear cross entropy, chunks about h wide, and the
+             head's gradient accumulated in fp32) b*s*h*(2 + 4 + 4) + 4*V*h bytes
   gradient checkpointing (train.gradient_checkpointing; Korthikanti et al. 2022 section 4, "full
              activation recomputation", after Chen et al. 2016): each layer keeps only its input,
              s*b*h*c bytes per layer (c = 4 under DDP, whose residual stream stays fp32 with fp32
@@ -76,6 +78,7 @@ class ModelDims:
     largest_param: int  # the biggest single tensor (usually the embedding): ZeRO-3 gathers it whole
     flash_attention: bool = True  # SDPA/flash: no stored s x s attention matrix
     compiled: bool = True  # torch.compile under DDP (train.compile: auto on a GPU); DeepSpeed runs eager
+    fused_loss: bool = False  # train.fused_loss: no logits held (module docstring)
 
 
 @dataclass(frozen=True)
@@ -182,14 +185,15 @@ def analytic_params(cfg: Any) -> tuple[int, int, int]:
     return layers * layer + embed * (1 if tied else 2) + positions + norm, layer, embed
 
 
-def dims_from_config(cfg: Any, seq_len: int, n_params: int | None = None, compiled: bool = True) -> ModelDims:
+def dims_from_config(cfg: Any, seq_len: int, n_params: int | None = None, compiled: bool = True,
+                     fused_loss: bool = False) -> ModelDims:
     """ModelDims from an HF config (object or mapping); n_params exact when counted, else analytic."""
     h, layers, heads, vocab, _ = _shape(cfg)
     total, layer, embed = analytic_params(cfg)
     attn_impl = cfg_get(cfg, "_attn_implementation", "attn_implementation", default="sdpa")
     return ModelDims(n_params=int(n_params or total), n_layers=layers, hidden=h, heads=heads, vocab=vocab,
                      seq_len=seq_len, largest_param=max(embed, layer), flash_attention=attn_impl != "eager",
-                     compiled=compiled)
+                     compiled=compiled, fused_loss=fused_loss)
 
 
 def model_config(spec: Spec) -> Any:
@@ -222,7 +226,7 @@ def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP) -> int:
     s, b, h = d.seq_len, micro, d.hidden
     coef = ACT_PER_LAYER if d.compiled and st.zero_stage is None else ACT_PER_LAYER_EAGER
     per_layer = s * b * h * coef + (0 if d.flash_attention else ATTN_SCORES * d.heads * s * s * b)
-    logits = b * s * d.vocab * LOGITS_BYTES
+    logits = b * s * h * LOGITS_BYTES + 4 * d.vocab * h if d.fused_loss else b * s * d.vocab * LOGITS_BYTES
     if st.checkpointing:  # inputs of every layer + one layer recomputed (module docstring)
         kept = CKPT_INPUT_BYTES_DDP if st.zero_stage is None else CKPT_INPUT_BYTES_ZERO
         return d.n_layers * s * b * h * kept + per_layer + logits
@@ -260,8 +264,8 @@ def usable_bytes(gpu_total: int) -> int:
 def max_micro_batch(d: ModelDims, st: Strategy, world: int, gpu_total: int) -> int:
     """The largest micro batch whose estimate fits (0: not even one sequence). Activations are linear
     in the micro batch, so this is a division, not a search."""
-    fixed = estimate(d, st, 0, world).total
-    per_sample = activation_bytes(d, 1, st)
+    fixed = estimate(d, st, 0, world).total  # with what the activations hold at any micro batch
+    per_sample = activation_bytes(d, 1, st) - activation_bytes(d, 0, st)
     room = usable_bytes(gpu_total) - fixed
     return max(0, room // per_sample) if per_sample else 0
 

@@ -142,15 +142,18 @@ def compiled_step(spec: Spec, on_gpu: bool = True) -> bool:
 
 
 def recommend_for_job(spec: Spec, n_params: int | None, model_config: Any, gpu_total_bytes: int | None,
-                      world: int, compiled: bool | None = None, ranks: str = "nodes x gpus") -> Recommendation:
+                      world: int, compiled: bool | None = None, ranks: str = "nodes x gpus",
+                      fused_loss: bool | None = None) -> Recommendation:
     """For the spec: chooses train.micro_batch_size: auto and distributed.strategy: auto, keeps what the
     spec fixes. model_config: the HF config (object or mapping), or None when there is no GPU memory to
     go by (the CPU rule needs no shape); n_params None: counted from it. compiled: whether the DDP step
-    runs compiled (None: train.compile as on a GPU)."""
+    runs compiled (None: train.compile as on a GPU). fused_loss: the run plan's train.fused_loss (None:
+    only where the spec says true, which is all that is known away from the job's GPUs)."""
     d = None
     if model_config is not None:
         step = compiled_step(spec) if compiled is None else compiled
-        d = dims_from_config(model_config, spec.data.seq_len, n_params, step)
+        fused = spec.train.fused_loss is True if fused_loss is None else fused_loss
+        d = dims_from_config(model_config, spec.data.seq_len, n_params, step, fused)
     mb = spec.train.micro_batch_size
     return recommend(d, gpu_total_bytes, world, spec.train.global_batch_size, spec.resources.cpus_per_gpu,
                      micro=None if mb == "auto" else int(mb), strategy=spec_strategy(spec), ranks=ranks,

@@ -28,6 +28,7 @@ Only the replica count may change on a resume (another allocation): the batches 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -73,6 +74,7 @@ class TrainPlan:
     epochs: int | None = None  # train.epochs, where the steps were derived from it
     steps_per_epoch: int | None = None  # sequences // global batch (an epoch's remainder is skipped)
     gradient_checkpointing: bool = False
+    fused_loss: bool = False  # train.fused_loss: the loss without logits (runtime/fused_loss.py)
     oom_halvings: int = 0  # times an out-of-memory error in the first step halved the micro batch
 
     @property
@@ -148,7 +150,8 @@ class RunPlan:
             parts = [t.how() + (" + gradient checkpointing" if t.gradient_checkpointing else ""),
                      f"global batch {t.global_batch} = micro {t.micro_batch} x accum {t.accum} x "
                      f"{self.world_size} rank(s)", steps, self.precision,
-                     "compiled" if t.compile else "not compiled", f"{t.loader_workers} loader workers"]
+                     "compiled" if t.compile else "not compiled", f"{t.loader_workers} loader workers"] \
+                + (["fused loss"] if t.fused_loss else [])
         if self.infer is not None:
             parts = [self.infer.how(), self.precision]
         return ", ".join(parts)
@@ -242,11 +245,20 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
     compiled = compiled_step(spec, on_gpu=device_type == "cuda")
     auto = t.micro_batch_size == "auto" or fixed is None or t.gradient_checkpointing == "auto"
     max_steps, per_epoch = train_steps(spec, num_sequences)
+    counted = count_model() if count_model is not None and device_type == "cuda" and t.fused_loss is not False \
+        else None
+    fused = decide_fused_loss(t.fused_loss, device_type, model_type_of(counted[1]) if counted else None,
+                              fixed == "deepspeed")
     if auto and gpu_memory is not None:
         if count_model is None:
             raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
-        n_params, config = count_model()
-        rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks)
+        n_params, config = counted or count_model()
+        rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks,
+                                fused_loss=fused)
+        if fused and rec.strategy == "deepspeed" and fixed is None:  # the estimate chose DeepSpeed after all
+            fused = decide_fused_loss(t.fused_loss, device_type, model_type_of(config), True)
+            rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks,
+                                    fused_loss=False)
         reason = rec.reason
     else:
         rec = recommend_for_job(spec, None, None, None, world, ranks=ranks)  # checks the split too
@@ -272,9 +284,41 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         offload_optimizer=off_opt, offload_params=off_params, compile=compiled and strategy != "deepspeed",
         loader_workers=rec.workers, bytes_per_gpu=rec.bytes_per_gpu if estimated else None,
         fits=rec.fits if estimated else None, max_steps=max_steps, epochs=t.epochs, steps_per_epoch=per_epoch,
-        gradient_checkpointing=rec.checkpointing)
+        gradient_checkpointing=rec.checkpointing, fused_loss=fused)
     return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
                    reason=reason, gpu_memory=gpu_memory, train=train)
+
+
+# model types whose logits are exactly lm_head(base_model(...).last_hidden_state): no logit scaling or
+# soft-capping (Gemma 2, Granite, Cohere), no auxiliary loss (mixtures of experts)
+FUSABLE_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+
+
+def model_type_of(config: Any) -> str | None:
+    return config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+
+
+def decide_fused_loss(setting: bool | str, device_type: str, model_type: str | None, deepspeed: bool) -> bool:
+    """train.fused_loss: true where it can run (else one clear error), auto where it can run. It needs a
+    GPU (Liger's kernels are Triton), liger-kernel installed, a head it can fuse, and DDP or one GPU
+    (ZeRO-3 gathers the head's weight only inside the head's own forward, which the fused loss skips)."""
+    if setting is False:
+        return False
+    problem = None
+    if deepspeed:
+        problem = "runs under DDP or on one GPU, not under DeepSpeed"
+    elif device_type != "cuda":
+        problem = "needs GPU ranks (Liger's kernels are Triton)"
+    elif model_type not in FUSABLE_MODEL_TYPES:
+        problem = (f"cannot fuse the head of model type {model_type!r} (fusable: {', '.join(FUSABLE_MODEL_TYPES)}: "
+                   "a plain linear head, no logit scaling or soft-capping)")
+    elif importlib.util.find_spec("liger_kernel") is None:
+        problem = "needs liger-kernel (pip install 'hpcgpu[fused]')"
+    if problem is None:
+        return True
+    if setting == "auto":
+        return False
+    raise HpcgpuError(f"train.fused_loss: true {problem}; set it to auto or false")
 
 
 def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
@@ -309,6 +353,10 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
     if gc != "auto" and gc != t.gradient_checkpointing:
         raise refuse("train.gradient_checkpointing", str(t.gradient_checkpointing).lower(),
                      f"the spec now fixes {str(gc).lower()}", "use auto or the recorded setting")
+    fl = spec.train.fused_loss
+    if fl != "auto" and fl != t.fused_loss:  # the micro batch was sized for it
+        raise refuse("train.fused_loss", str(t.fused_loss).lower(), f"the spec now fixes {str(fl).lower()}",
+                     "use auto or the recorded setting")
     fixed = fixed_strategy(spec, world)
     ds = spec.distributed.deepspeed
     if fixed is not None and (fixed != t.strategy or fixed == "deepspeed" and (

@@ -136,10 +136,12 @@ class Nccl:
 
 @dataclass(frozen=True)
 class Ddp:
-    """torch's DistributedDataParallel arguments, passed through as written (defaults: torch's)."""
+    """torch's DistributedDataParallel arguments, passed through as written (defaults: torch's, but
+    gradient_as_bucket_view's auto)."""
     bucket_cap_mb: float = field(default=25.0, metadata=meta("gradient bucket size in MiB", min=1))
-    gradient_as_bucket_view: bool = field(default=False, metadata=meta(
-        "gradients are views into the all-reduce buckets: one copy and its memory less per step"))
+    gradient_as_bucket_view: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
+        "gradients are views into the all-reduce buckets: one copy and its memory less per step; auto: on "
+        "in task: train (its loop never touches a gradient in place), off under ctx.prepare (your loop may)"))
     static_graph: bool = field(default=False, metadata=meta(
         "the same parameters are used in the same order every step (lets DDP skip the search)"))
     find_unused_parameters: bool = field(default=False, metadata=meta(
@@ -228,6 +230,15 @@ class Train:
     precision: Literal["auto", "bf16", "fp16", "fp32"] = field(default="auto", metadata=meta(
         "auto: bf16 autocast on GPUs that support it, fp32 on CPU"))
     compile: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta("torch.compile; auto: on GPU"))
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = field(
+        default="default", metadata=meta(
+            "torch.compile's mode, as torch names it: reduce-overhead and max-autotune replay the step's "
+            "kernels as CUDA graphs (static shapes: text data), max-autotune* search matmul kernels at "
+            "compile time"))
+    fused_loss: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
+        "the loss from the last hidden states through Liger's fused linear cross entropy, never holding the "
+        "[tokens x vocab] logits (their memory goes to an auto micro batch); for model types gpt2, llama, "
+        "mistral, qwen2, qwen3, phi3, olmo2 on GPUs (pip install 'hpcgpu[fused]'); auto: where all that holds"))
     log_every: int = field(default=1, metadata=meta("log every N steps", min=1))
     eval_every: int = field(default=0, metadata=meta("eval loss every N steps (0: only at the end)", min=0))
     eval_batches: int = field(default=4, metadata=meta("micro batches per eval", min=1))

@@ -219,3 +219,38 @@ def test_profile_of_two_gpu_steps_times_kernels_and_nccl(tmp_path):
                                                r"([\d.]+) ms/step", text).groups())
         assert 0 < pct <= 100 and abs(busy + idle - wall) < 0.3, text[:800]
     print("\n" + (run_dir / "profile" / "rank0.txt").read_text()[:1500])
+
+
+def test_fused_loss_matches_hugging_faces_and_trains(tmp_path):
+    """train.fused_loss through Liger's kernel: the same loss and gradients as HF's (bf16 autocast), and
+    a run with it on says so and learns (carry liger-kernel: pip install 'hpcgpu[fused]')."""
+    pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=32000)).cuda()
+    ids = torch.randint(0, 32000, (4, 128), device="cuda")
+    labels = ids.clone()
+    labels[:, :20] = -100
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = lm(input_ids=ids, labels=labels).loss
+    want.backward()
+    want_grads = [p.grad.clone() for p in lm.parameters()]
+    lm.zero_grad()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = FusedLossLM(lm, liger_sum_loss())(ids, labels)
+    got.backward()
+    assert got.item() == pytest.approx(want.item(), rel=2e-2)
+    for w, p in zip(want_grads, lm.parameters()):
+        assert torch.allclose(p.grad.float(), w.float(), rtol=5e-2, atol=5e-3)
+    spec = train_spec(1, steps=30)
+    spec["train"]["fused_loss"] = True
+    proc, run_dir = submit(spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fused loss (Liger)" in proc.stdout
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0

@@ -188,6 +188,7 @@ def test_ddp_options_reach_the_wrapper(one_rank_group: None) -> None:
     assert (ddp.gradient_as_bucket_view, ddp.static_graph, ddp.find_unused_parameters) == (True, True, True)
     plain = wrap_ddp(torch.nn.Linear(3, 2), torch.device("cpu"), spec_of())
     assert plain.bucket_bytes_cap == 25 * 2**20 and not plain.find_unused_parameters
+    assert not plain.gradient_as_bucket_view  # auto: the user's loop may replace a gradient in place
 
 
 def bn_model() -> torch.nn.Module:

@@ -30,10 +30,9 @@ import random
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -53,6 +52,7 @@ from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
+from hpcgpu.runtime.steplog import StepLog
 from hpcgpu.runtime.strategy import ddp_options
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
@@ -220,6 +220,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.raw_model, spec, self.device, offload=self._offloads())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec, self.max_steps))
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
+        self.cuda_graphs = p.compile and t.compile_mode in ("reduce-overhead", "max-autotune")
         self.model: Any = self._wrap(self.raw_model)
         self.step = 0
         self.last_lr = spec.train.lr
@@ -263,11 +264,15 @@ class Trainer:
         """DeepSpeed engine, or (compiled) DDP; the raw model stays reachable for saving."""
         if self.ds is not None:
             return self.ds.initialize(model, self.optimizer, self.scheduler)
+        if self.tp.fused_loss:
+            from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
+
+            model = FusedLossLM(model, liger_sum_loss())
         if self.tp.compile:
-            model = torch.compile(model)  # type: ignore[assignment]
+            model = torch.compile(model, mode=self.spec.train.compile_mode)  # type: ignore[assignment]
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DDP(model, device_ids=ids, **ddp_options(self.spec))
+            model = DDP(model, device_ids=ids, **ddp_options(self.spec, own_loop=True))
         return model
 
     def _check_vocab(self) -> None:
@@ -330,6 +335,10 @@ class Trainer:
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
         batch = fetch_batch(self.train_blocks, idx, self.device)
         with self._autocast():
+            if self.tp.fused_loss:  # the wrapper returns the loss itself (runtime/fused_loss.py)
+                if isinstance(batch, torch.Tensor):
+                    return self.model(batch, batch)
+                return self.model(batch["input_ids"], batch["labels"], batch["attention_mask"])
             if isinstance(batch, torch.Tensor):  # text: every token is a label
                 return self.model(input_ids=batch, labels=batch).loss
             # the loss of the labelled tokens only, averaged within this micro batch (as HF's would be)
@@ -340,6 +349,8 @@ class Trainer:
         """A micro batch's loss as its share of the step's mean over `n` (without accumulation there is
         no division by 1 to launch)."""
         loss = self._micro_loss(idx)
+        if self.cuda_graphs:  # the graph's output buffer is overwritten by the next micro batch's replay
+            loss = loss.clone()
         return loss / n if n > 1 else loss
 
     def train_step(self) -> torch.Tensor:
@@ -347,6 +358,8 @@ class Trainer:
         self.model.train()
         self.last_lr = float(self.scheduler.get_last_lr()[0])  # the lr this step uses, for the log
         micro_batches = self.schedule.next_micro_batches()
+        if self.cuda_graphs:  # a new step: the graphs' outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         if self.ds is not None:
             total = self._deepspeed_step(micro_batches)
         elif self.guard_next_step:
@@ -528,7 +541,7 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
 
     t = plan.training
     n_params, config = counted(spec)
-    d = dims_from_config(config, t.seq_len, n_params, t.compile)
+    d = dims_from_config(config, t.seq_len, n_params, t.compile, t.fused_loss)
     st = plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing)
     e = estimate(d, st, t.micro_batch, plan.world_size)
     text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {fmt_bytes(e.total)} per GPU "
@@ -613,61 +626,6 @@ def inject_signal(ctx: Context, tr: Trainer) -> None:
 
 # ---------------------------------------------------------------- the loop
 
-class StepLog:
-    """Turns step timings into loss, ms/step, tokens/s and MFU lines (console + metrics.jsonl)."""
-
-    def __init__(self, tr: Trainer, metrics: MetricsWriter, bar: Any):
-        self.tr, self.metrics, self.bar = tr, metrics, bar
-        self.peak = peak_flops_here(tr.device)
-        self.tokens_per_step = tr.tp.tokens_per_step
-        self.last_step = tr.step
-        self.last_time = time.perf_counter()
-        self.excluded_s = 0.0
-
-    @contextlib.contextmanager
-    def not_step_time(self) -> Iterator[None]:
-        """Eval and checkpoint time is left out of ms/step and tokens/s. The steps queued on the GPU
-        finish first, so that their time is not left out with it."""
-        if self.tr.device.type == "cuda":
-            torch.cuda.synchronize(self.tr.device)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.excluded_s += time.perf_counter() - t0
-
-    def log(self, loss_t: torch.Tensor) -> None:
-        """Collective: the loss is averaged over ranks, which also waits for the queued steps, so the
-        interval's clock is real time."""
-        tr = self.tr
-        loss = mean_over_ranks(loss_t)
-        now = time.perf_counter()
-        steps = max(1, tr.step - self.last_step)
-        dt = now - self.last_time - self.excluded_s
-        self.last_step, self.last_time, self.excluded_s = tr.step, now, 0.0
-        ms = dt * 1000 / steps
-        tok_s = self.tokens_per_step * steps / dt if dt > 0 else 0.0
-        mfu = tok_s * tr.flops_per_token / (self.peak * tr.world) if self.peak else None
-        lr = tr.last_lr
-        peak_mem = torch.cuda.max_memory_allocated(tr.device) / 2**30 if tr.device.type == "cuda" else None
-        self.metrics.write("train", step=tr.step, loss=loss, lr=lr, ms_per_step=ms, tokens_per_s=tok_s,
-                           tokens=tr.tokens_seen, mfu=mfu, peak_mem_gib=peak_mem, max_steps=tr.max_steps)
-        msg = (f"step {tr.step:>6}/{tr.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-               f"{ms:8.1f} ms/step | {tok_s:10,.0f} tok/s" + (f" | mfu {mfu * 100:5.1f}%" if mfu is not None else ""))
-        if self.bar is not None:
-            self.bar.write(msg)
-        else:
-            log.info(msg)
-
-
-def peak_flops_here(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    from hpcgpu.gpu.peak import peak_flops
-
-    return peak_flops(torch.cuda.get_device_name(device))
-
-
 def progress(total: int, initial: int, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -683,7 +641,8 @@ def describe(tr: Trainer) -> str:
             f"{p.global_batch} = micro {p.micro_batch} x accum {p.accum} x {tr.world} ranks; "
             f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences; {steps}"
             + ("; gradient checkpointing" if p.gradient_checkpointing else "")
-            + (f"; DDP {describe_ddp(ddp_options(tr.spec))}" if tr.strategy == "ddp" else ""))
+            + ("; fused loss (Liger)" if p.fused_loss else "")
+            + (f"; DDP {describe_ddp(ddp_options(tr.spec, own_loop=True))}" if tr.strategy == "ddp" else ""))
 
 
 def describe_ddp(options: dict[str, Any]) -> str:
@@ -699,11 +658,14 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
     bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
     steplog = StepLog(tr, metrics, bar)
     # every rank's flags, agreed on a gloo group in host memory and one step late: nothing here waits
-    # for the GPU or for another rank, so the launch queue stays full (the loss is read back only
-    # when it is logged)
+    # for the GPU or for another rank, so the launch queue stays full. At 2 GPUs the loop is nearly
+    # host-bound, so any wait would leave the GPU idle until the host got ahead again: a logged step's
+    # loss is averaged and copied to the host asynchronously, and written by a later step's poll()
+    # once the GPU got there (StepLog); only step 1, the last step, eval and checkpoints wait
     agreement = LaggedFlags(3, coordination_group(ctx.device))
     profiler = StepProfiler(t.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device, first_step=tr.step,
                             max_steps=tr.max_steps)
+    crashed = False
     try:
         while tr.step < tr.max_steps:
             loss_t = tr.train_step()
@@ -718,6 +680,8 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
             last = tr.step == tr.max_steps
             if tr.step % t.log_every == 0 or tr.step == 1 or last:
                 steplog.log(loss_t)
+            else:
+                steplog.poll()  # the logged steps the GPU has finished since
             if bar is not None:
                 bar.update(1)
             if ckpt.pending and not async_busy and posted_after(agreed, ckpt.pending_step):
@@ -734,15 +698,20 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
                     early_stop(tr, metrics)
                     return "early_stopped"
             if stop:
+                steplog.flush()  # before the save: a kill in it must not lose the logged steps
                 save_checkpoint(ctx, tr, blocking=True)
                 return "stopped"
             if (ckpt.due_by_steps(tr.step) or time_due) and not last:
                 with steplog.not_step_time():
                     save_checkpoint(ctx, tr)
     except BaseException:
+        crashed = True
         agreement.abandon()
         raise
     finally:
+        # every logged step is written at an end or a stop; after an error another rank may be dead and
+        # a pending all-reduce never end: write the complete ones, wait for none
+        steplog.flush(wait=not crashed)
         agreement.drain()
         profiler.close()
         if bar is not None:
