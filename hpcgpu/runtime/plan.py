@@ -245,10 +245,9 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
     compiled = compiled_step(spec, on_gpu=device_type == "cuda")
     auto = t.micro_batch_size == "auto" or fixed is None or t.gradient_checkpointing == "auto"
     max_steps, per_epoch = train_steps(spec, num_sequences)
-    counted = count_model() if count_model is not None and device_type == "cuda" and t.fused_loss is not False \
-        else None
-    fused = decide_fused_loss(t.fused_loss, device_type, model_type_of(counted[1]) if counted else None,
-                              fixed == "deepspeed")
+    counted = count_model() if count_model is not None and device_type == "cuda" and t.fused_loss else None
+    fused = t.fused_loss and check_fused_loss(device_type, model_type_of(counted[1]) if counted else None,
+                                              fixed == "deepspeed")
     if auto and gpu_memory is not None:
         if count_model is None:
             raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
@@ -256,9 +255,7 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks,
                                 fused_loss=fused)
         if fused and rec.strategy == "deepspeed" and fixed is None:  # the estimate chose DeepSpeed after all
-            fused = decide_fused_loss(t.fused_loss, device_type, model_type_of(config), True)
-            rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks,
-                                    fused_loss=False)
+            check_fused_loss(device_type, model_type_of(config), True)
         reason = rec.reason
     else:
         rec = recommend_for_job(spec, None, None, None, world, ranks=ranks)  # checks the split too
@@ -298,12 +295,10 @@ def model_type_of(config: Any) -> str | None:
     return config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
 
 
-def decide_fused_loss(setting: bool | str, device_type: str, model_type: str | None, deepspeed: bool) -> bool:
-    """train.fused_loss: true where it can run (else one clear error), auto where it can run. It needs a
-    GPU (Liger's kernels are Triton), liger-kernel installed, a head it can fuse, and DDP or one GPU
-    (ZeRO-3 gathers the head's weight only inside the head's own forward, which the fused loss skips)."""
-    if setting is False:
-        return False
+def check_fused_loss(device_type: str, model_type: str | None, deepspeed: bool) -> bool:
+    """train.fused_loss: true can run here, or one clear error. It needs a GPU (Liger's kernels are
+    Triton), liger-kernel installed, a head it can fuse, and DDP or one GPU (ZeRO-3 gathers the head's
+    weight only inside the head's own forward, which the fused loss skips)."""
     problem = None
     if deepspeed:
         problem = "runs under DDP or on one GPU, not under DeepSpeed"
@@ -314,11 +309,9 @@ def decide_fused_loss(setting: bool | str, device_type: str, model_type: str | N
                    "a plain linear head, no logit scaling or soft-capping)")
     elif importlib.util.find_spec("liger_kernel") is None:
         problem = "needs liger-kernel (pip install 'hpcgpu[fused]')"
-    if problem is None:
-        return True
-    if setting == "auto":
-        return False
-    raise HpcgpuError(f"train.fused_loss: true {problem}; set it to auto or false")
+    if problem is not None:
+        raise HpcgpuError(f"train.fused_loss: true {problem}; set it to false")
+    return True
 
 
 def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
@@ -353,10 +346,9 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
     if gc != "auto" and gc != t.gradient_checkpointing:
         raise refuse("train.gradient_checkpointing", str(t.gradient_checkpointing).lower(),
                      f"the spec now fixes {str(gc).lower()}", "use auto or the recorded setting")
-    fl = spec.train.fused_loss
-    if fl != "auto" and fl != t.fused_loss:  # the micro batch was sized for it
-        raise refuse("train.fused_loss", str(t.fused_loss).lower(), f"the spec now fixes {str(fl).lower()}",
-                     "use auto or the recorded setting")
+    if spec.train.fused_loss != t.fused_loss:  # the micro batch was sized for it
+        raise refuse("train.fused_loss", str(t.fused_loss).lower(),
+                     f"the spec now says {str(not t.fused_loss).lower()}", "use the recorded setting")
     fixed = fixed_strategy(spec, world)
     ds = spec.distributed.deepspeed
     if fixed is not None and (fixed != t.strategy or fixed == "deepspeed" and (

@@ -1,5 +1,5 @@
-"""train.fused_loss: where the run plan turns it on, the one-line errors where `true` cannot run, the
-memory it frees for an auto micro batch, and the wrapper's loss and gradients against Hugging Face's
+"""train.fused_loss: the one-line errors where `true` cannot run, the memory it frees for an auto
+micro batch, and the wrapper's loss and gradients against Hugging Face's
 own (on CPU, with torch's cross entropy in place of Liger's GPU kernel: the same sum the kernel
 computes; tests/gpu runs the kernel itself)."""
 from __future__ import annotations
@@ -35,15 +35,14 @@ def gpu_plan(fused: Any, config: dict, monkeypatch: pytest.MonkeyPatch, liger: b
                       count_model=lambda: (None, config)).training
 
 
-def test_auto_fuses_where_it_can_and_the_freed_memory_goes_to_the_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_it_frees_the_logits_memory_for_an_auto_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     big_vocab = dict(TINY_LLAMA, vocab_size=128256, hidden_size=2048, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=8192, num_hidden_layers=16)
-    fused = gpu_plan("auto", big_vocab, monkeypatch, data={"seq_len": 2048})
+    fused = gpu_plan(True, big_vocab, monkeypatch, data={"seq_len": 2048})
     plain = gpu_plan(False, big_vocab, monkeypatch, data={"seq_len": 2048})
     assert fused.fused_loss and not plain.fused_loss
     assert fused.micro_batch > plain.micro_batch  # 128k logits of every token are not held
-    assert not gpu_plan("auto", big_vocab, monkeypatch, liger=False).fused_loss  # not installed: auto is off
-    assert not gpu_plan("auto", dict(TINY_LLAMA, model_type="gemma2"), monkeypatch).fused_loss
+    assert not gpu_plan(False, dict(TINY_LLAMA, model_type="gemma2"), monkeypatch, liger=False).fused_loss
 
 
 @pytest.mark.parametrize(("why", "config", "liger", "extra"), [
