@@ -84,8 +84,9 @@ seconds and time to first step for each program; the ratios hpcgpu/minimal and h
 (ratio of the medians [range of the per-round ratios]), marked "gap smaller than the spread" when
 |1 - ratio| < half that range; the 2-GPU scaling tok/s(2) / (2 x tok/s(1)) of each program; and
 PASS/FAIL against the targets: hpcgpu >= 1.00x careful and >= 0.97x minimal at each GPU count,
-hpcgpu's 2-GPU scaling >= minimal's, hpcgpu's time to first step <= careful's + 2 s. Fewer than 3
-rounds or short measurements are said next to the verdicts.
+hpcgpu's 2-GPU scaling >= minimal's, hpcgpu's time to first step <= careful's + 2 s; on GPUs, at 1
+GPU, each hpcgpu program's median MFU against issue 15's goal for the model (gpt2-124m 0.35, llama-1b
+0.40). Fewer than 3 rounds or short measurements are said next to the verdicts.
 
 Writes the report as JSON to $OUT/train_vs_loops.json (or --json PATH; and to --append FILE, which
 pools the rounds of earlier calls of the same setup); every program's stdout/stderr are kept in
@@ -119,6 +120,7 @@ REPO = Path(__file__).resolve().parent.parent
 LOOPS = {"minimal": REPO / "benchmarks" / "loop_minimal.py", "careful": REPO / "benchmarks" / "loop_careful.py"}
 PROGRAMS = ["minimal", "careful", "hpcgpu"]
 TARGET_VS_CAREFUL, TARGET_VS_MINIMAL, TARGET_TTFS_SLACK_S = 1.00, 0.97, 2.0
+MFU_GOALS = {"gpt2-124m": 0.35, "llama-1b": 0.40}  # issue 15 part 3: on one GPU, hpcgpu or a variant
 ORIG_ENV = dict(os.environ)
 SETUP_KEYS = ("model", "n_layer", "n_embd", "n_head", "vocab", "seq_len", "micro_batch", "accum", "steps", "warmup",
               "log_every", "compile", "data_tokens", "precision", "lr", "child_env", "hpcgpu_set", "smoke")
@@ -546,6 +548,13 @@ def build_summary(args: argparse.Namespace, results: dict[str, dict[str, list[di
                 summary["targets"].append({"what": f"{g} {unit}: {key} tok/s >= {target:.2f}", "value": r["value"],
                                            "pass": r["value"] >= target, "within_spread": r["within_spread"],
                                            "range": [r["min"], r["max"]]})
+        goal = MFU_GOALS.get(args.model)
+        for p in ([q for q in programs if q.startswith("hpcgpu")] if g == 1 and not args.cpu and goal else []):
+            m = (rows.get(p) or {}).get("mfu")
+            if m is not None:
+                summary["targets"].append({"what": f"1 GPU: {p} MFU >= {goal:.2f} ({args.model})", "value": m[0],
+                                           "pass": m[0] >= goal, "within_spread": m[1] < goal <= m[2],
+                                           "range": [m[1], m[2]]})
         d = ttfs["hpcgpu-careful"]
         if d is not None:
             summary["targets"].append({"what": f"{g} {unit}: time to first step hpcgpu <= careful + "
