@@ -217,6 +217,7 @@ class Trainer:
         self.train_blocks = place_tokens(self.train_blocks, self.device)
         self.n_params = count_params(self.raw_model)
         self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len, self.n_params)
+        self.params = list(self.raw_model.parameters())  # once: parameters() walks every module
         self.optimizer = build_optimizer(self.raw_model, spec, self.device, offload=self._offloads())
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec, self.max_steps))
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
@@ -355,7 +356,8 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over the global batch; returns this rank's mean micro-batch loss."""
-        self.model.train()
+        if not self.raw_model.training:  # after an eval; not every step: it walks every module
+            self.model.train()
         self.last_lr = float(self.scheduler.get_last_lr()[0])  # the lr this step uses, for the log
         micro_batches = self.schedule.next_micro_batches()
         if self.cuda_graphs:  # a new step: the graphs' outputs of the last one may be overwritten
@@ -387,7 +389,7 @@ class Trainer:
     def _optimizer_step(self) -> None:
         if self.spec.train.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.spec.train.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.params, self.spec.train.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
