@@ -240,6 +240,10 @@ class Train:
         "[tokens x vocab] logits (their memory goes to an auto micro batch), for model types gpt2, llama, "
         "mistral, qwen2, qwen3, phi3, olmo2 on GPUs (pip install 'hpcgpu[fused]'); it saves memory, not time: "
         "GPT-2 124M at micro 16 on an H200 ran 22% slower with it"))
+    gc_every: int = field(default=50, metadata=meta(
+        "Python's garbage collection runs on every rank at the same steps, every N, instead of whenever a "
+        "rank has allocated enough (a rank paused by it holds up the others' all-reduce); 0: automatic",
+        min=0))
     log_every: int = field(default=1, metadata=meta("log every N steps", min=1))
     eval_every: int = field(default=0, metadata=meta("eval loss every N steps (0: only at the end)", min=0))
     eval_batches: int = field(default=4, metadata=meta("micro batches per eval", min=1))

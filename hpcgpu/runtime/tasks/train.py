@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hpcgpu.contract import ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
+from hpcgpu.runtime.collector import StepCollector
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
     Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, eval_batches, load_blocks, load_tokenizer)
@@ -667,10 +668,13 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
     agreement = LaggedFlags(3, coordination_group(ctx.device))
     profiler = StepProfiler(t.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device, first_step=tr.step,
                             max_steps=tr.max_steps)
+    collector = StepCollector(t.gc_every)
+    collector.start()
     crashed = False
     try:
         while tr.step < tr.max_steps:
             loss_t = tr.train_step()
+            collector.after_step(tr.step)
             if clock is not None:
                 clock.first_step_done(ctx.device, metrics, tr.step)
             profiler.after_step(tr.step)
@@ -714,6 +718,7 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
         # every logged step is written at an end or a stop; after an error another rank may be dead and
         # a pending all-reduce never end: write the complete ones, wait for none
         steplog.flush(wait=not crashed)
+        collector.close()
         agreement.drain()
         profiler.close()
         if bar is not None:
