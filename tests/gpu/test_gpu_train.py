@@ -255,3 +255,18 @@ def test_fused_loss_matches_hugging_faces_and_trains(tmp_path):
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in train if r["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0
+
+
+@pytest.mark.parametrize("gpus", [1, pytest.param(2, marks=two_gpus)])
+def test_cuda_graphs_train_and_log_every_step(tmp_path, gpus):
+    """train.compile_mode: reduce-overhead replays the step as CUDA graphs (DDP's buckets at 2): the run
+    learns, and every logged loss is its own step's (a graph's output buffer is overwritten by the next
+    replay: a loss read late would repeat)."""
+    spec = train_spec(gpus, steps=30)
+    spec["train"]["compile_mode"] = "reduce-overhead"
+    proc, run_dir = submit(spec, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in train if r["kind"] == "train"]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 1.0
+    assert len(set(losses)) == len(losses)
