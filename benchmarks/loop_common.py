@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from bench_common import TRAIN_MODELS, fill_model_defaults, train_model_config
 from hpcgpu.gpu.peak import peak_flops as peak_of_name
 
 
@@ -26,21 +27,12 @@ def setup_dist(args: argparse.Namespace) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-# --model: each model's defaults for the size flags (--n-layer etc.) and --seq-len / --micro-batch; the
-# flags, when given, win. gpt2-124m: GPT-2 124M; llama-1b: Llama-3.2-1B's shape (GQA, tied embeddings).
-# benchmarks/train_vs_loops.py has the same table (it imports no torch, so not this file).
-MODELS: dict[str, dict[str, int | None]] = {
-    "gpt2-124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_kv_head": None, "intermediate": None,
-                  "vocab": 50304, "seq_len": 1024, "micro_batch": 16},
-    "llama-1b": {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_kv_head": 8, "intermediate": 8192,
-                 "vocab": 128256, "seq_len": 2048, "micro_batch": 4},
-}
 LLAMA_ONLY = ("n_kv_head", "intermediate")
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """--model and the size flags (defaults: the model's, from MODELS)."""
-    ap.add_argument("--model", choices=list(MODELS), default="gpt2-124m",
+    """--model and the size flags (defaults: the model's, from TRAIN_MODELS)."""
+    ap.add_argument("--model", choices=list(TRAIN_MODELS), default="gpt2-124m",
                     help="gpt2-124m: HF GPT2LMHeadModel, GPT-2 124M (default); llama-1b: HF LlamaForCausalLM, "
                          "Llama-3.2-1B's shape (rope_theta 500000, tied embeddings); from a config, random init")
     ap.add_argument("--n-layer", type=int, default=None, help="layers (default 12 / 16)")
@@ -58,32 +50,18 @@ def model_defaults(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """The size flags not given take --model's values."""
     if args.model != "llama-1b" and any(getattr(args, k) is not None for k in LLAMA_ONLY):
         ap.error("--n-kv-head and --intermediate are for --model llama-1b")
-    for key, value in MODELS[args.model].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_model_defaults(args)
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, GPT2LMHeadModel, LlamaForCausalLM
+
+    mapping = train_model_config(getattr(args, "model", "gpt2-124m"), args)
+    kind = mapping.pop("model_type")
+    cfg = AutoConfig.for_model(kind, **{**mapping, "attn_implementation": "sdpa"})
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    if getattr(args, "model", "gpt2-124m") == "llama-1b":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(hidden_size=args.n_embd, intermediate_size=args.intermediate,
-                          num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
-                          num_key_value_heads=args.n_kv_head, vocab_size=args.vocab,
-                          max_position_embeddings=args.seq_len, tie_word_embeddings=True, rope_theta=500000.0,
-                          attention_dropout=0.0, attn_implementation="sdpa")
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    else:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        extra = {} if args.vocab > 50256 else {"bos_token_id": None, "eos_token_id": None}  # gpt2's 50256 lies outside
-        cfg = GPT2Config(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, n_positions=args.seq_len,
-                         vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         attn_implementation="sdpa", **extra)
-        with torch.device(device):
-            model = GPT2LMHeadModel(cfg)
+    with torch.device(device):
+        model = (LlamaForCausalLM if kind == "llama" else GPT2LMHeadModel)(cfg)
     if getattr(args, "name_loss", False):  # what hpcgpu does (runtime/model.py name_its_loss): one graph
         model.loss_type = "ForCausalLM"  # (LlamaForCausalLM's name says it already)
     return model.train()

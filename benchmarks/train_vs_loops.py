@@ -113,7 +113,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import gpu_name, nvidia_smi_names, rotated, spread, work_dir
+from bench_common import (TRAIN_MODELS, fill_model_defaults, gpu_name, nvidia_smi_names, rotated, spread,
+                          train_model_config, work_dir)
 from hpcgpu.contract import startup_phases  # imports nothing of ours, and no torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,14 +127,7 @@ SETUP_KEYS = ("model", "n_layer", "n_embd", "n_head", "vocab", "seq_len", "micro
               "log_every", "compile", "data_tokens", "precision", "lr", "child_env", "hpcgpu_set", "smoke")
 DEFAULT_MODEL = "gpt2-124m"  # a setup (an --append file) from before --model is of this one
 MODEL_KIND = {"gpt2-124m": "GPT-2", "llama-1b": "Llama"}
-# --model: the shape (layers, hidden, heads; llama's KV heads and MLP width), vocab and the defaults of
-# --seq-len / --micro-batch; the loops have the same table (loop_common.py MODELS). --smoke: SMOKE's.
-MODELS: dict[str, dict[str, Any]] = {
-    "gpt2-124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_kv_head": None, "intermediate": None,
-                  "vocab": 50304, "seq_len": 1024, "micro_batch": 16},
-    "llama-1b": {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_kv_head": 8, "intermediate": 8192,
-                 "vocab": 128256, "seq_len": 2048, "micro_batch": 4},
-}
+# --smoke: each model's tiny shape (the full ones: bench_common.py TRAIN_MODELS)
 SMOKE = {
     "gpt2-124m": {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_kv_head": None, "intermediate": None,
                   "vocab": 512, "seq_len": 64, "micro_batch": 4},
@@ -272,22 +266,6 @@ def random_text(path: Path, n_bytes: int, seed: int) -> None:
     path.write_bytes(bytes(rng.choices(alphabet, k=n_bytes)))
 
 
-def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    """hpcgpu's model.config: the config the loops build (loop_common.py build_model), as a mapping."""
-    if model_of(args) == "llama-1b":
-        return {"model_type": "llama", "hidden_size": args.n_embd, "intermediate_size": args.intermediate,
-                "num_hidden_layers": args.n_layer, "num_attention_heads": args.n_head,
-                "num_key_value_heads": args.n_kv_head, "vocab_size": args.vocab,
-                "max_position_embeddings": args.seq_len, "tie_word_embeddings": True, "rope_theta": 500000.0,
-                "attention_dropout": 0.0, "attn_implementation": "sdpa"}
-    cfg: dict[str, Any] = {"model_type": "gpt2", "n_layer": args.n_layer, "n_head": args.n_head,
-                           "n_embd": args.n_embd, "n_positions": args.seq_len, "vocab_size": args.vocab,
-                           "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    if args.vocab <= 50256:  # gpt2's bos/eos (50256) would lie outside the vocabulary (as the loops do)
-        cfg.update(bos_token_id=None, eos_token_id=None)
-    return cfg
-
-
 def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
     """d["a"]["b"]["c"] = value for key "a.b.c", making the dicts on the way."""
     *path, last = key.split(".")
@@ -332,7 +310,7 @@ def hpcgpu_spec(args: argparse.Namespace, work: Path, data: Path, gpus: int, max
         "name": name, "task": "train", "runs_dir": str(work / "runs"),
         "resources": {"gpus": gpus, "cpus_per_gpu": 1 if args.cpu else 4},
         "distributed": {"strategy": "ddp"},  # at 1 GPU the plan makes it "none": no DDP, as the loops
-        "model": {"config": model_config(args)},
+        "model": {"config": train_model_config(model_of(args), args)},
         "data": {"train": str(data), "seq_len": args.seq_len},
         "train": {"global_batch_size": args.micro_batch * args.accum * gpus, "micro_batch_size": args.micro_batch,
                   "max_steps": max_steps, "log_every": log_every, "warmup_steps": 10, "lr": args.lr,
@@ -723,7 +701,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--log-every", type=int, default=10,
                     help="hpcgpu's train.log_every and the careful loop's loss read-back interval (default 10); "
                          "--warmup and --steps must be multiples")
-    ap.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
+    ap.add_argument("--model", choices=list(TRAIN_MODELS), default=DEFAULT_MODEL,
                     help="gpt2-124m (default): GPT-2 124M; llama-1b: Llama-3.2-1B's shape (16 layers, 2048 hidden, "
                          "32 heads, 8 KV heads, MLP 8192, vocab 128256, tied embeddings); from a config, random "
                          "weights; it sets the defaults of --vocab, --seq-len and --micro-batch; part of the setup")
@@ -778,9 +756,7 @@ def main(argv: list[str]) -> int:
         vars(args).update(SMOKE[args.model])
         args.accum, args.steps, args.warmup, args.log_every = 1, 6, 2, 2
         args.compile, args.data_tokens, args.min_seconds = False, 1 << 16, 0.0
-    for key, value in MODELS[args.model].items():  # what was not given: the model's
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_model_defaults(args)  # what was not given: the model's
     if args.data_tokens is None:  # 4M tokens (4096 sequences at 1024), and 4096 sequences at longer ones
         args.data_tokens = max(1 << 22, 4096 * args.seq_len)
     args.precision = args.precision or ("fp32" if args.smoke else "bf16")

@@ -246,8 +246,9 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
     auto = t.micro_batch_size == "auto" or fixed is None or t.gradient_checkpointing == "auto"
     max_steps, per_epoch = train_steps(spec, num_sequences)
     counted = count_model() if count_model is not None and device_type == "cuda" and t.fused_loss else None
-    fused = t.fused_loss and check_fused_loss(device_type, model_type_of(counted[1]) if counted else None,
-                                              fixed == "deepspeed")
+    fused = t.fused_loss
+    if fused:
+        check_fused_loss(device_type, model_type_of(counted[1]) if counted else None, fixed == "deepspeed")
     if auto and gpu_memory is not None:
         if count_model is None:
             raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
@@ -295,7 +296,7 @@ def model_type_of(config: Any) -> str | None:
     return config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
 
 
-def check_fused_loss(device_type: str, model_type: str | None, deepspeed: bool) -> bool:
+def check_fused_loss(device_type: str, model_type: str | None, deepspeed: bool) -> None:
     """train.fused_loss: true can run here, or one clear error. It needs a GPU (Liger's kernels are
     Triton), liger-kernel installed, a head it can fuse, and DDP or one GPU (ZeRO-3 gathers the head's
     weight only inside the head's own forward, which the fused loss skips)."""
@@ -311,7 +312,6 @@ def check_fused_loss(device_type: str, model_type: str | None, deepspeed: bool) 
         problem = "needs liger-kernel (pip install 'hpcgpu[fused]')"
     if problem is not None:
         raise HpcgpuError(f"train.fused_loss: true {problem}; set it to false")
-    return True
 
 
 def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:

@@ -53,7 +53,7 @@ from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
-from hpcgpu.runtime.steplog import StepLog
+from hpcgpu.runtime.steplog import StepLog, ranks_mean
 from hpcgpu.runtime.strategy import ddp_options
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
@@ -336,16 +336,17 @@ class Trainer:
 
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
         batch = fetch_batch(self.train_blocks, idx, self.device)
+        if isinstance(batch, torch.Tensor):  # text: every token is a label
+            ids, labels, mask = batch, batch, None
+        else:
+            ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
         with self._autocast():
             if self.tp.fused_loss:  # the wrapper returns the loss itself (runtime/fused_loss.py)
-                if isinstance(batch, torch.Tensor):
-                    return self.model(batch, batch)
-                return self.model(batch["input_ids"], batch["labels"], batch["attention_mask"])
-            if isinstance(batch, torch.Tensor):  # text: every token is a label
-                return self.model(input_ids=batch, labels=batch).loss
+                return self.model(ids, labels, mask)
+            if mask is None:
+                return self.model(input_ids=ids, labels=labels).loss
             # the loss of the labelled tokens only, averaged within this micro batch (as HF's would be)
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            return causal_lm_loss(logits, batch["labels"])
+            return causal_lm_loss(self.model(input_ids=ids, attention_mask=mask).logits, labels)
 
     def _loss_share(self, idx: torch.Tensor, n: int) -> torch.Tensor:
         """A micro batch's loss as its share of the step's mean over `n` (without accumulation there is
@@ -468,7 +469,7 @@ class Trainer:
         the world size, then summed over the ranks."""
         if self.strategy != "ddp":
             return
-        for param in self.raw_model.parameters():
+        for param in self.params:
             if param.grad is not None:
                 param.grad.div_(self.world)
                 dist.all_reduce(param.grad)
@@ -556,11 +557,7 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
-    v = value.detach().float().clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(v, op=dist.ReduceOp.SUM)
-        v /= dist.get_world_size()
-    return float(v.item())
+    return float(ranks_mean(value).item())
 
 
 # ---------------------------------------------------------------- checkpoints
