@@ -122,24 +122,19 @@ class Agreed:
 
 
 class LaggedFlags:
-    """The training loop's agreement at step boundaries, one exchange late. Every `every` steps each
-    rank posts its flags (an asynchronous MAX all-reduce on the gloo coordination group) and gets what
-    the ranks posted at the exchange before, which has had `every` steps to arrive; between exchanges
-    nothing is agreed (flags all False, step None). A blocking all-reduce would hold each rank's CPU
-    until the slowest rank reached it, the time in which it would otherwise queue the next step's
-    kernels; exchanging every step still ties the ranks' hosts within a step of each other. Every rank
-    sees the same agreement at the same step, so they still act together; one rank (no group) lags
-    alike, so a run behaves the same at every width."""
+    """The training loop's per-step agreement, one step late. Each step posts this rank's flags (an
+    asynchronous MAX all-reduce on the gloo coordination group) and returns what the ranks posted the
+    step before, which has had a whole step to arrive. A blocking all-reduce every step would hold
+    each rank's CPU until the slowest rank reached it, the time in which it would otherwise queue the
+    next step's kernels. Every rank sees the same agreement at the same step, so they still act
+    together; one rank (no group) lags alike, so a run behaves the same at every width."""
 
-    def __init__(self, count: int, group: Any, every: int = 1):
-        self.count, self.group, self.every = count, group, every
+    def __init__(self, count: int, group: Any):
+        self.count, self.group = count, group
         self._posted: tuple[torch.Tensor, Any, int] | None = None
 
     def exchange(self, flags: list[bool], step: int) -> Agreed:
-        """At an exchange step (a multiple of `every`), post `flags` (as of `step`) and return the
-        agreement posted at the previous exchange; at other steps return nothing agreed."""
-        if step % self.every:
-            return Agreed([False] * self.count, None)
+        """Post `flags` (as of `step`); return the agreement posted at the previous call."""
         agreed = self._collect()
         t = _flags_tensor(flags)
         work = None

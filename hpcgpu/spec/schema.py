@@ -244,9 +244,6 @@ class Train:
         "Python's garbage collection runs on every rank at the same steps, every N, instead of whenever a "
         "rank has allocated enough (a rank paused by it holds up the others' all-reduce); 0: automatic",
         min=0))
-    agree_every: int = field(default=1, metadata=meta(
-        "the ranks agree on stopping (preemption) and time-based checkpoints every N steps, each agreement "
-        "acted on N steps later, so a stop comes 1 to 2N steps after the signal", min=1))
     log_every: int = field(default=1, metadata=meta("log every N steps", min=1))
     eval_every: int = field(default=0, metadata=meta("eval loss every N steps (0: only at the end)", min=0))
     eval_batches: int = field(default=4, metadata=meta("micro batches per eval", min=1))

@@ -662,7 +662,7 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
     # host-bound, so any wait would leave the GPU idle until the host got ahead again: a logged step's
     # loss is averaged and copied to the host asynchronously, and written by a later step's poll()
     # once the GPU got there (StepLog); only step 1, the last step, eval and checkpoints wait
-    agreement = LaggedFlags(3, coordination_group(ctx.device), t.agree_every)
+    agreement = LaggedFlags(3, coordination_group(ctx.device))
     profiler = StepProfiler(t.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device, first_step=tr.step,
                             max_steps=tr.max_steps)
     collector = StepCollector(t.gc_every)
