@@ -223,6 +223,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec, self.max_steps))
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
         self.cuda_graphs = p.compile and t.compile_mode in ("reduce-overhead", "max-autotune")
+        self.ddp_options = ddp_options(spec, own_loop=True, compiled=p.compile)
         self.model: Any = self._wrap(self.raw_model)
         self.step = 0
         self.last_lr = spec.train.lr
@@ -274,7 +275,7 @@ class Trainer:
             model = torch.compile(model, mode=self.spec.train.compile_mode)  # type: ignore[assignment]
         if self.strategy == "ddp":
             ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DDP(model, device_ids=ids, **ddp_options(self.spec, own_loop=True))
+            model = DDP(model, device_ids=ids, **self.ddp_options)
         return model
 
     def _check_vocab(self) -> None:
@@ -642,7 +643,7 @@ def describe(tr: Trainer) -> str:
             f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences; {steps}"
             + ("; gradient checkpointing" if p.gradient_checkpointing else "")
             + ("; fused loss (Liger)" if p.fused_loss else "")
-            + (f"; DDP {describe_ddp(ddp_options(tr.spec, own_loop=True))}" if tr.strategy == "ddp" else ""))
+            + (f"; DDP {describe_ddp(tr.ddp_options)}" if tr.strategy == "ddp" else ""))
 
 
 def describe_ddp(options: dict[str, Any]) -> str:
