@@ -185,16 +185,16 @@ def host_id() -> str:
 
 def set_cpu_threads(device: torch.device) -> None:
     """A rank's torch threads: the SLURM_CPUS_PER_TASK cores srun and the local executor give it (torch
-    would take every core), and on CPU ranks no more than their share of the machine's cores when
-    ranks of the job share one machine (the local executor's CPU ranks, or SLURM "nodes" that are one
-    host): oversubscribed OpenMP threads wait for each other (2 ranks of 2 threads on a 2-core host
-    generated 20x slower than 1 thread each). OMP_NUM_THREADS, where set, decides. Collective on CPU
-    ranks of a process group."""
+    would take every core), and no more than their share of the machine's cores when ranks of the job
+    share one machine (the local executor's ranks, or SLURM "nodes" that are one host), on CPUs and
+    GPUs alike: oversubscribed OpenMP threads wait for each other (2 CPU ranks of 2 threads on a 2-core
+    host generated 20x slower than 1 thread each), and a GPU rank's host must keep queueing kernels.
+    OMP_NUM_THREADS, where set, decides. Collective where there is a process group."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
         torch.set_num_threads(int(os.environ["SLURM_CPUS_PER_TASK"]))
-    if device.type != "cpu" or not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         return
     me = host_id()
     hosts: list[Any] = [None] * dist.get_world_size()

@@ -55,3 +55,28 @@ def test_every_rank_sees_a_flag_raised_on_one_rank_at_the_same_later_step() -> N
 
 def test_one_rank_lags_the_same_so_a_run_stops_at_the_same_step_at_every_width() -> None:
     assert agree(1, raiser=0) == [EXPECTED]
+
+
+THREADS = """
+import json, os
+import torch, torch.distributed as dist
+from hpcgpu.runtime.dist import set_cpu_threads
+dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
+set_cpu_threads(torch.device("cuda", 0))  # only the device's type matters here: no GPU is touched
+print(json.dumps(torch.get_num_threads()), flush=True)
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_gpu_ranks_sharing_a_machine_take_at_most_their_share_of_its_cores() -> None:
+    # the local executor gives each rank cpus_per_gpu cores; asked for every core, two ranks would
+    # run twice as many threads as the machine has
+    cores = os.cpu_count() or 1
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURM_CPUS_PER_TASK=str(cores))
+    procs = [subprocess.Popen([sys.executable, "-c", THREADS], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    assert [json.loads(o.splitlines()[-1]) for o, _ in outs] == [max(1, cores // 2)] * 2
