@@ -121,6 +121,26 @@ def ok(result: tuple[int, str], code: int = 0) -> str:
     return text
 
 
+# imported at the start of every interpreter whose PYTHONPATH has it: replica 1 (rank 1) raises at its
+# second batch, as a model that hits a bad row or a CUDA error would
+CRASHING_REPLICA = """
+import os
+if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HPCGPU_LAUNCHER"):
+    from hpcgpu.runtime.tasks import infer
+
+    run = infer.Engine.run
+    ran = []
+
+    def failing_run(self, number, batch):
+        ran.append(number)
+        if len(ran) == 2:
+            raise RuntimeError("replica 1 fails on purpose")
+        return run(self, number, batch)
+
+    infer.Engine.run = failing_run
+"""
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every run of this module. greedy2/greedy1: 48 rows, 2 replicas vs 1; stopA/stopB: the same
@@ -155,7 +175,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
                            resources={"gpus": 1}, infer={"max_new_tokens": 6}),
         "nochat": infer_spec("nochat", write_input(base, "nochat.jsonl", chat_rows), resources={"gpus": 1}),
         "notok": infer_spec("notok", data, model={"name_or_path": str(notok)}, resources={"gpus": 1}),
+        "crash": infer_spec("crash", data, env={"PYTHONPATH": str(base / "crashing")}),
     }
+    (base / "crashing").mkdir()
+    (base / "crashing" / "sitecustomize.py").write_text(CRASHING_REPLICA)
     for key in ("score", "chat"):
         specs[key]["model"].pop("config")
     specs["notok"]["model"].pop("config")
@@ -203,6 +226,23 @@ def test_a_static_kv_cache_gives_the_dynamic_caches_outputs(world: dict, greedy2
     assert [r["id"] for r in static] == [r["id"] for r in dynamic]
     # fp32 on the CPU: the same tokens, up to a rare near-tie flipped by another summation order
     assert sum(a["text"] == b["text"] for a, b in zip(static, dynamic)) >= 0.9 * ROWS
+
+
+def test_a_replica_that_crashes_fails_the_job_named_as_the_rank_that_failed(world: dict) -> None:
+    from hpcgpu.contract import first_failure
+
+    code, text = world["results"]["crash"]
+    assert code == 1, text[-3000:]  # rank 1's own exit code, not the stop of replica 0
+    run = run_dir(world["folders"]["crash"], "crash")
+    failure = first_failure(run)
+    assert failure is not None and failure.rank == 1 and failure.exit_code == 1, failure
+    assert "rank 1 on" in text and "replica 1 fails on purpose" in text  # submit says who failed and why
+    assert not (run / "outputs.jsonl").exists() and not (run / "FINISHED").exists()  # nothing looks complete
+    assert not records(run, "stop")  # a crash, not a preemption
+    listed = json.loads(subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True,
+                                       text=True, timeout=60, env=job_env(), check=True).stdout)
+    job = next(j for j in listed if j["name"] == "crash")
+    assert job["state"] == "FAILED" and job["failure"]["rank"] == 1, job
 
 
 def test_plan_progress_and_metrics_are_recorded(greedy2: Path) -> None:
