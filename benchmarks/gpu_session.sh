@@ -24,7 +24,7 @@
 #            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs),
 #            profile-test (tests/gpu: train.profile's kernel and NCCL times on 2 GPUs),
 #            mfu-gpt2, mfu-llama, mfu (both) (#15 part 3, the MFU goals: $MFU_ROUNDS train_vs_loops rounds,
-#            default 1, at 1 GPU of minimal, hpcgpu and hpcgpu with $MFU_VARIANTS_GPT2 / $MFU_VARIANTS_LLAMA
+#            default 1, at 1 GPU of $MFU_PROGRAMS (default minimal,hpcgpu; "hpcgpu" saves a run) and hpcgpu with $MFU_VARIANTS_GPT2 / $MFU_VARIANTS_LLAMA
 #            set (defaults below; "" for none), for gpt2-124m (600 timed steps, ~65 s a run) and llama-1b
 #            (150 timed steps of ~0.18 s on an H200, ~130 s a run with a cold compile and the 5 GB final
 #            save); pooled per model in /tmp/tvl-mfu/<model>.json (other variants: another file, rm it);
@@ -53,7 +53,7 @@ MFU_LLAMA_DEFAULT="fused:train.fused_loss=true"
 mfu_round() {  # mfu_round MODEL VARIANTS [train_vs_loops flags...]: one interleaved round at 1 GPU, minimal vs hpcgpu
   local model="$1" variants="$2"; shift 2
   mkdir -p /tmp/tvl-mfu
-  step python3 benchmarks/train_vs_loops.py --gpus 1 --repeats "${MFU_ROUNDS:-1}" --programs minimal,hpcgpu \
+  step python3 benchmarks/train_vs_loops.py --gpus 1 --repeats "${MFU_ROUNDS:-1}" --programs "${MFU_PROGRAMS:-minimal,hpcgpu}" \
     --hpcgpu-variants "$variants" --model "$model" "$@" --work /tmp/tvl-mfu --append "/tmp/tvl-mfu/$model.json" \
     --json "$OUT/mfu_$model.json" --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 \
     | tee "$OUT/mfu_$model.log" | tail -25

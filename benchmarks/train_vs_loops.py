@@ -62,8 +62,9 @@ are flagged with the --steps that would reach it. tok/s = tokens of the timed st
 (tokens = micro x accum x seq x GPUs per step). The loops time the steps between two
 torch.cuda.synchronize() calls; hpcgpu's comes from its run dir's metrics.jsonl: "train" records
 (step, tokens = tokens seen so far, ms_per_step and tokens_per_s over the steps since the previous
-record, mfu), written at step 1, every train.log_every (= --log-every) steps and the last; hpcgpu
-synchronises every step (its step-boundary all-reduce). The timed window is from the record of step
+record, mfu), written at step 1, every train.log_every (= --log-every) steps and the last, each timed
+on the GPU's clock (runtime/steplog.py); each hpcgpu run's line gives the range and median of those
+intervals' ms/step (a wide range: an erratic, host-bound step). The timed window is from the record of step
 --warmup to the last (--warmup and --steps must be multiples of --log-every): its time is the sum of
 ms_per_step x steps of those records, its tokens the difference of "tokens". MFU: hpcgpu's count,
 (6 x parameters + 12 x layers x heads x head_dim x seq) x tok/s / (GPUs x dense bf16 peak, 989 TFLOP/s
@@ -340,10 +341,12 @@ def hpcgpu_timed(recs: list[dict[str, Any]], warmup: int, steps: int) -> dict[st
                         f"{[r['step'] for r in train][:12]}...)")
     seconds, tokens, prev = 0.0, 0, start
     factor = None  # mfu / tokens_per_s: flops_per_token / (peak x world), the same in every record
+    intervals = []  # ms/step of each logged interval: a steady step or an erratic one (a host-bound loop)
     for r in train:
         if r["step"] <= warmup:
             continue
         n = r["step"] - prev["step"]
+        intervals.append(float(r["ms_per_step"]))
         seconds += float(r["ms_per_step"]) * n / 1000
         tokens += int(r["tokens"]) - int(prev["tokens"])
         if factor is None and isinstance(r.get("mfu"), (int, float)) and r.get("tokens_per_s"):
@@ -355,7 +358,8 @@ def hpcgpu_timed(recs: list[dict[str, Any]], warmup: int, steps: int) -> dict[st
     return {"tokens_per_s": tok_s, "ms_per_step": 1000 * seconds / steps, "timed_s": seconds, "timed_steps": steps,
             "mfu": tok_s * factor if factor is not None else None,
             "timed_s_wall": float(prev["time"]) - float(start["time"]), "final_loss": prev.get("loss"),
-            "peak_mem_gib": prev.get("peak_mem_gib")}
+            "peak_mem_gib": prev.get("peak_mem_gib"),
+            "interval_ms": {"median": statistics.median(intervals), "min": min(intervals), "max": max(intervals)}}
 
 
 def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag: str,
@@ -866,8 +870,11 @@ def main(argv: list[str]) -> int:
                         primed.add(p, g)
                     res.setdefault(p, []).append(r)
                     mfu = f", MFU {r['mfu'] * 100:.1f}%" if isinstance(r.get("mfu"), (int, float)) else ""
+                    iv = r.get("interval_ms")
+                    spread = (f" (logged intervals {iv['min']:.1f}-{iv['max']:.1f}, median {iv['median']:.1f})"
+                              if iv else "")
                     note(f"round {rnd} {g} GPU(s) {p}: {r['tokens_per_s']:,.0f} tok/s{mfu}, {r['ms_per_step']:.2f} "
-                         f"ms/step over {r['timed_s']:.1f} s; first step {first_step_text(r)} after launch; "
+                         f"ms/step{spread} over {r['timed_s']:.1f} s; first step {first_step_text(r)} after launch; "
                          f"process {r['wall_s']:.0f} s")
                     report()  # after every run: a call ended by a time cap keeps what it measured
     except DeadlineReached:
