@@ -79,11 +79,17 @@ def sync_batchnorm(model: torch.nn.Module, setting: bool | str, device: torch.de
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device, spec: Spec | None) -> torch.nn.Module:
+def is_compiled(model: torch.nn.Module) -> bool:
+    """torch.compile(model) or model.compile(): DDP around it splits the compiled graph at its buckets."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or \
+        getattr(model, "_compiled_call_impl", None) is not None
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, options: dict[str, Any]) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids, **ddp_options(spec))
+    return DDP(model, device_ids=ids, **options)
 
 
 def deepspeed_config(spec: Spec, world: int, precision: str) -> dict:
@@ -213,9 +219,10 @@ def prepare(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if strategy == "deepspeed":
         return prepare_deepspeed(ctx, module, optimizer, scheduler, precision)
     module = module.to(device)  # in place: the optimizer's parameters stay the module's
-    wrapped = wrap_ddp(module, device, spec) if strategy == "ddp" else module
+    options = ddp_options(spec, compiled=is_compiled(module))
+    wrapped = wrap_ddp(module, device, options) if strategy == "ddp" else module
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    log.info(describe(strategy, precision, device, world, spec))
+    log.info(describe(strategy, precision, device, world, spec, options))
     return Prepared(module, wrapped, optimizer, scheduler, strategy, precision, device, grad_clip, scaler)
 
 
@@ -233,10 +240,10 @@ def prepare_deepspeed(ctx: Context, module: torch.nn.Module, optimizer: torch.op
                     ctx.spec.train.grad_clip, engine=engine)
 
 
-def describe(strategy: str, precision: str, device: torch.device, world: int, spec: Spec | None) -> str:
+def describe(strategy: str, precision: str, device: torch.device, world: int, spec: Spec | None,
+             options: dict[str, Any] | None = None) -> str:
     how = strategy
-    if strategy == "ddp":
-        options = ddp_options(spec)
+    if strategy == "ddp" and options is not None:
         how += f" (buckets {options['bucket_cap_mb']:g} MiB" + "".join(
             f", {name}" for name, value in options.items() if value is True) + ")"
     if strategy == "deepspeed" and spec is not None:

@@ -139,8 +139,9 @@ class Ddp:
     """torch's DistributedDataParallel arguments, passed through as written (defaults: torch's, but
     the two autos)."""
     bucket_cap_mb: Union[float, Literal["auto"]] = field(default="auto", metadata=meta(
-        "gradient bucket size in MiB; auto: 100 in task: train when compiled (a compiled model is split "
-        "into a graph per bucket, each launched every step), else torch's 25", min=1))
+        "gradient bucket size in MiB; auto: 100 around a compiled model (task: train with compile, or a "
+        "compiled model given to ctx.prepare: it is split into a graph per bucket, each launched every "
+        "step), else torch's 25", min=1))
     gradient_as_bucket_view: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
         "gradients are views into the all-reduce buckets: one copy and its memory less per step; auto: on "
         "in task: train (its loop never touches a gradient in place), off under ctx.prepare (your loop may)"))

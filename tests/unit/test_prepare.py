@@ -179,14 +179,15 @@ def one_rank_group():  # type: ignore[no-untyped-def]
 
 def test_ddp_options_reach_the_wrapper(one_rank_group: None) -> None:
     from hpcgpu.runtime.prepare import choose_strategy, wrap_ddp
+    from hpcgpu.runtime.strategy import ddp_options
 
     spec = spec_of(distributed={"ddp": {"bucket_cap_mb": 7, "gradient_as_bucket_view": True,
                                         "static_graph": True, "find_unused_parameters": True}})
     assert (choose_strategy(spec, 2), choose_strategy(spec, 1)) == ("ddp", "none")
-    ddp = wrap_ddp(torch.nn.Linear(3, 2), torch.device("cpu"), spec)
+    ddp = wrap_ddp(torch.nn.Linear(3, 2), torch.device("cpu"), ddp_options(spec))
     assert ddp.bucket_bytes_cap == 7 * 2**20
     assert (ddp.gradient_as_bucket_view, ddp.static_graph, ddp.find_unused_parameters) == (True, True, True)
-    plain = wrap_ddp(torch.nn.Linear(3, 2), torch.device("cpu"), spec_of())
+    plain = wrap_ddp(torch.nn.Linear(3, 2), torch.device("cpu"), ddp_options(spec_of()))
     assert plain.bucket_bytes_cap == 25 * 2**20 and not plain.find_unused_parameters
     assert not plain.gradient_as_bucket_view  # auto: the user's loop may replace a gradient in place
 
