@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,9 +81,13 @@ def sync_batchnorm(model: torch.nn.Module, setting: bool | str, device: torch.de
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
-    """torch.compile(model) or model.compile(): DDP around it splits the compiled graph at its buckets."""
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or \
-        getattr(model, "_compiled_call_impl", None) is not None
+    """torch.compile(model) or model.compile(): DDP around it splits the compiled graph at its buckets.
+    torch.compile imports dynamo: where nothing did, no model is compiled, and dynamo (seconds to
+    import) stays unloaded."""
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        return True
+    return getattr(model, "_compiled_call_impl", None) is not None
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device, options: dict[str, Any]) -> torch.nn.Module:
