@@ -224,8 +224,8 @@ def prepare(ctx: Context, model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if strategy == "deepspeed":
         return prepare_deepspeed(ctx, module, optimizer, scheduler, precision)
     module = module.to(device)  # in place: the optimizer's parameters stay the module's
-    options = ddp_options(spec, compiled=is_compiled(module))
-    wrapped = wrap_ddp(module, device, options) if strategy == "ddp" else module
+    options = ddp_options(spec, compiled=is_compiled(module)) if strategy == "ddp" else None
+    wrapped = wrap_ddp(module, device, options) if options is not None else module
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     log.info(describe(strategy, precision, device, world, spec, options))
     return Prepared(module, wrapped, optimizer, scheduler, strategy, precision, device, grad_clip, scaler)

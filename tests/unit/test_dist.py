@@ -39,14 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def agree(world: int, raiser: int) -> list[list]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-           "RAISER": str(raiser)}
-    procs = [subprocess.Popen([sys.executable, "-c", AGREE], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+def run_ranks(script: str, world: int, **env: str) -> list:
+    """`script` as ranks 0..world-1 of a gloo group on a free port; each rank's last line, as JSON."""
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+            **env}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**base, "RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0] * world, [e[-2000:] for _, e in outs]
     return [json.loads(o.splitlines()[-1]) for o, _ in outs]
+
+
+def agree(world: int, raiser: int) -> list[list]:
+    return run_ranks(AGREE, world, RAISER=str(raiser))
 
 
 def test_every_rank_sees_a_flag_raised_on_one_rank_at_the_same_later_step() -> None:
@@ -61,6 +66,7 @@ THREADS = """
 import json, os
 import torch, torch.distributed as dist
 from hpcgpu.runtime.dist import set_cpu_threads
+os.environ.pop("OMP_NUM_THREADS", None)  # it would decide instead
 dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=2)
 set_cpu_threads(torch.device("cuda", 0))  # only the device's type matters here: no GPU is touched
 print(json.dumps(torch.get_num_threads()), flush=True)
@@ -73,10 +79,4 @@ def test_gpu_ranks_sharing_a_machine_take_at_most_their_share_of_its_cores() -> 
     # the local executor gives each rank cpus_per_gpu cores; asked for every core, two ranks would
     # run twice as many threads as the machine has
     cores = os.cpu_count() or 1
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), SLURM_CPUS_PER_TASK=str(cores))
-    procs = [subprocess.Popen([sys.executable, "-c", THREADS], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
-    assert [json.loads(o.splitlines()[-1]) for o, _ in outs] == [max(1, cores // 2)] * 2
+    assert run_ranks(THREADS, 2, SLURM_CPUS_PER_TASK=str(cores)) == [max(1, cores // 2)] * 2

@@ -536,7 +536,7 @@ class Trainer:
                 losses.append(causal_lm_loss(logits, batch["labels"]))
         if not losses:
             return None
-        return mean_over_ranks(torch.stack(losses).mean())
+        return float(ranks_mean(torch.stack(losses).mean()).item())
 
 
 def estimate_text(spec: Spec, plan: RunPlan) -> str:
@@ -555,10 +555,6 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
         top = max_micro_batch(d, st, plan.world_size, plan.gpu_memory)
         text += f" of {fmt_bytes(usable_bytes(plan.gpu_memory))} usable, the largest micro batch that fits {top}"
     return text
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    return float(ranks_mean(value).item())
 
 
 # ---------------------------------------------------------------- checkpoints
