@@ -192,6 +192,21 @@ def test_ddp_options_reach_the_wrapper(one_rank_group: None) -> None:
     assert not plain.gradient_as_bucket_view  # auto: the user's loop may replace a gradient in place
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_prepare_gives_a_compiled_model_large_buckets(tmp_path: Path, one_rank_group: None, compiled: bool,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """README: bucket_cap_mb auto is 100 MiB when the model given to ctx.prepare is compiled (torch's DDP
+    splits it into a graph per bucket), else torch's 25; the log line names the size."""
+    net = torch.nn.Linear(3, 2)
+    model = torch.compile(net) if compiled else net  # nothing runs: no compile happens here
+    ctx = context(tmp_path, spec_of(), world=2)  # two ranks' strategy, DDP over a one-rank group
+    with caplog.at_level(logging.INFO, logger="hpcgpu"):
+        wrapped, _ = ctx.prepare(model, torch.optim.SGD(net.parameters(), lr=0.1))
+    mib = 100 if compiled else 25
+    assert wrapped.bucket_bytes_cap == mib * 2**20
+    assert f"ctx.prepare: ddp (buckets {mib} MiB)" in caplog.text
+
+
 def bn_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
 
