@@ -132,6 +132,32 @@ def test_slurm_style_one_gpu_per_task(tmp_path):
         assert got["device"] == "cuda:0" and got["uuid"] == uuids[1 - rank] and got["sum"] == 3.0
 
 
+NO_WAIT = """
+import torch
+from hpcgpu.runtime.tasks.train import fetch_batch
+dev = torch.device("cuda", 0)
+blocks = torch.arange(64 * 8, device=dev).view(64, 8)
+idx = torch.randperm(64)[:4]
+torch.cuda.synchronize()
+torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the fetch
+queued = torch.cuda.Event()
+queued.record()
+batch = fetch_batch(blocks, idx, dev)
+ahead = not queued.query()  # the host got here while the GPU still slept
+torch.cuda.synchronize()
+print(ahead, torch.equal(batch.cpu(), blocks.cpu()[idx]))
+"""
+
+
+def test_a_batch_of_gpu_resident_tokens_is_fetched_without_waiting_for_the_gpu():
+    """The step's index copy must not make the host wait for the GPU's queue (a copy from pageable
+    memory does): a wait each step leaves the GPU idle while the host queues the next step."""
+    proc = subprocess.run([sys.executable, "-c", NO_WAIT], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True"], proc.stdout
+
+
 def test_async_checkpoints_stage_through_pinned_buffers_and_resume(tmp_path):
     """Several async saves on one GPU reuse the pinned stager (no fallback to default staging), and a
     preempted run resumes from them."""
