@@ -138,6 +138,7 @@ from hpcgpu.runtime.tasks.train import fetch_batch
 dev = torch.device("cuda", 0)
 blocks = torch.arange(64 * 8, device=dev).view(64, 8)
 idx = torch.randperm(64)[:4]
+fetch_batch(blocks, idx, dev)  # a step before: the pinned block is cached, as in a running loop
 torch.cuda.synchronize()
 torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued ahead of the fetch
 queued = torch.cuda.Event()
