@@ -18,7 +18,8 @@
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round ($TRAIN_ROUNDS train_vs_loops rounds, default 1; the deadline stops
 #            between runs, and the next call completes a cut round),
-#            train-variants (one round at 2 GPUs: minimal, hpcgpu and hpcgpu with $TRAIN_VARIANTS set, default
+#            train-variants (one round at $VARIANT_GPUS GPUs (default 2) of $VARIANT_PROGRAMS (default minimal,hpcgpu)
+#            and hpcgpu with $TRAIN_VARIANTS set, default
 #            with torch's 25 MiB DDP buckets and without train.gc_every: what each bought; pooled in /tmp/tvl/variants.json; TRAIN_VARIANTS="old@.ab/old" runs an
 #            earlier commit's package beside this one: `git archive REV hpcgpu | tar -x -C .ab/old`, carry .ab),
 #            train-profile (benchmarks/profile_step.py: hpcgpu and the minimal loop profiled alike, 2 GPUs),
@@ -82,8 +83,8 @@ run_step() {
     train-round) fits 200 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${BENCH_GPUS:-1,2}" \
         --repeats "${TRAIN_ROUNDS:-1}" --work /tmp/tvl --append /tmp/tvl/rounds.json \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/train_vs_loops.log" | tail -30 ;;
-    train-variants) fits 300 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus 2 --repeats 1 \
-        --programs minimal,hpcgpu --hpcgpu-variants "${TRAIN_VARIANTS:-b25:distributed.ddp.bucket_cap_mb=25;nogc:train.gc_every=0}" \
+    train-variants) fits 300 && mkdir -p /tmp/tvl && step python3 benchmarks/train_vs_loops.py --gpus "${VARIANT_GPUS:-2}" --repeats 1 \
+        --programs "${VARIANT_PROGRAMS:-minimal,hpcgpu}" --hpcgpu-variants "${TRAIN_VARIANTS:-b25:distributed.ddp.bucket_cap_mb=25;nogc:train.gc_every=0}" \
         --work /tmp/tvl --append /tmp/tvl/variants.json --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 \
         | tee "$OUT/train_variants.log" | tail -30 ;;
     train-profile) fits 240 && mkdir -p /tmp/tvl && step env OUT="$OUT" python3 benchmarks/profile_step.py --gpus 2 --work /tmp/tvl 2>&1 \
