@@ -37,7 +37,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.checkpoint import Payload, complete_checkpoints
 from hpcgpu.runtime.plan import fixed_strategy, resolve_precision
 from hpcgpu.runtime.rng import rng_state, set_rng_state
-from hpcgpu.runtime.strategy import ddp_options
+from hpcgpu.runtime.strategy import ddp_options, describe_ddp
 from hpcgpu.spec import Spec
 
 if TYPE_CHECKING:
@@ -249,8 +249,7 @@ def describe(strategy: str, precision: str, device: torch.device, world: int, sp
              options: dict[str, Any] | None = None) -> str:
     how = strategy
     if strategy == "ddp" and options is not None:
-        how += f" (buckets {options['bucket_cap_mb']:g} MiB" + "".join(
-            f", {name}" for name, value in options.items() if value is True) + ")"
+        how += f" ({describe_ddp(options)})"
     if strategy == "deepspeed" and spec is not None:
         how += f" ZeRO-{spec.distributed.deepspeed.zero_stage}"
     return f"ctx.prepare: {how} on {device} x {world}, {precision}"

@@ -31,3 +31,9 @@ def ddp_options(spec: Spec | None, own_loop: bool = False, compiled: bool = Fals
         bucket = COMPILED_BUCKET_MB if compiled else TORCH_BUCKET_MB
     return {"bucket_cap_mb": bucket, "gradient_as_bucket_view": as_view,
             "static_graph": d.static_graph, "find_unused_parameters": d.find_unused_parameters}
+
+
+def describe_ddp(options: dict[str, Any]) -> str:
+    """The DDP arguments for a log line: bucket size and the options that are on."""
+    flags = [name for name, value in options.items() if value is True]
+    return f"buckets {options['bucket_cap_mb']:g} MiB" + "".join(f", {name}" for name in flags)

@@ -54,7 +54,7 @@ from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
 from hpcgpu.runtime.steplog import StepLog, ranks_mean
-from hpcgpu.runtime.strategy import ddp_options
+from hpcgpu.runtime.strategy import ddp_options, describe_ddp
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
 
@@ -83,16 +83,15 @@ def place_tokens(blocks: Blocks, device: torch.device) -> Blocks | torch.Tensor:
 
 
 def fetch_batch(blocks: Blocks | torch.Tensor, idx: torch.Tensor, device: torch.device) -> Batch:
-    if isinstance(blocks, torch.Tensor):  # placed on the GPU
-        # the indices go from pinned memory: a copy from pageable memory makes the host wait for every
-        # kernel queued before it, so the GPU idled each step while the host queued the next one
-        return blocks[idx.pin_memory().to(blocks.device, non_blocking=True)]
-
     def to_device(tensor: torch.Tensor) -> torch.Tensor:
+        # from pinned memory: a copy from pageable memory makes the host wait for every kernel queued
+        # before it, so the GPU would idle each step while the host queued the next one
         if device.type == "cuda":
-            tensor = tensor.pin_memory()  # an asynchronous copy: the CPU keeps queueing the step's kernels
+            tensor = tensor.pin_memory()
         return tensor.to(device, non_blocking=True)
 
+    if isinstance(blocks, torch.Tensor):  # placed on the GPU: only the indices travel
+        return blocks[to_device(idx)]
     batch = blocks.take(idx)
     if isinstance(batch, dict):  # chat/prompt_completion: input_ids, labels, attention_mask
         return {key: to_device(value) for key, value in batch.items()}
@@ -642,11 +641,6 @@ def describe(tr: Trainer) -> str:
             + ("; gradient checkpointing" if p.gradient_checkpointing else "")
             + ("; fused loss (Liger)" if p.fused_loss else "")
             + (f"; DDP {describe_ddp(tr.ddp_options)}" if tr.strategy == "ddp" else ""))
-
-
-def describe_ddp(options: dict[str, Any]) -> str:
-    flags = [name for name, value in options.items() if value is True]
-    return f"buckets {options['bucket_cap_mb']:g} MiB" + "".join(f", {name}" for name in flags)
 
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: StartupClock | None = None) -> str:
