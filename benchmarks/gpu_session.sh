@@ -47,11 +47,11 @@ fits() {  # fits SECONDS: is there that much left of this call's budget?
   echo "=== skipped (needs ~$1 s, $left s left of the call)"; return 1
 }
 inv_sum() { local t=0 w; for w in ${1//,/ }; do t=$(( t + 1000 / w )); done; echo "$t"; }  # 1000 x sum of 1/width
-# what the last session left to try (benchmarks/RESULTS.md, fourth session of 2026-11-27): a larger micro
-# batch and CUDA graphs for GPT-2 (34.4% without them), and Llama with and without the fused loss (37.7% with;
-# without it never ran), and with the fused loss at micro 8 (the memory it frees: 29 GiB peak at micro 4)
-MFU_GPT2_DEFAULT="m32:train.micro_batch_size=32,train.global_batch_size=32;cg:train.compile_mode=reduce-overhead"
-MFU_LLAMA_DEFAULT="fused:train.fused_loss=true;fm8:train.fused_loss=true,train.micro_batch_size=8,train.global_batch_size=8"
+# what the seventh session of 2026-11-27 left to measure (benchmarks/RESULTS.md): three rounds of the larger
+# micro batch that passed once (GPT-2 36.4% at micro 32 on an H200, 33.9% on an H100; Llama 47.9% at micro 8),
+# now with the loss compiled apart from the model (logits_loss); the default hpcgpu run is micro 16 / 4
+MFU_GPT2_DEFAULT="m32:train.micro_batch_size=32,train.global_batch_size=32"
+MFU_LLAMA_DEFAULT="m8:train.micro_batch_size=8,train.global_batch_size=8"
 mfu_round() {  # mfu_round MODEL VARIANTS [train_vs_loops flags...]: one interleaved round at 1 GPU, minimal vs hpcgpu
   local model="$1" variants="$2"; shift 2
   mkdir -p /tmp/tvl-mfu

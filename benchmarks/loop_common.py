@@ -62,7 +62,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     with torch.device(device):
         model = (LlamaForCausalLM if kind == "llama" else GPT2LMHeadModel)(cfg)
-    if getattr(args, "name_loss", False):  # what hpcgpu does (runtime/model.py name_its_loss): one graph
+    if getattr(args, "name_loss", False):  # runtime/model.py name_its_loss: one graph with the loss
         model.loss_type = "ForCausalLM"  # (LlamaForCausalLM's name says it already)
     return model.train()
 

@@ -56,8 +56,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (>= 1; step 1 compiles)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
     ap.add_argument("--name-loss", action="store_true",
-                    help="model.loss_type = 'ForCausalLM', as hpcgpu sets it: GPT2LMHeadModel's forward then compiles "
-                         "as one graph, not two (transformers' warning about the unnamed loss is a graph break)")
+                    help="model.loss_type = 'ForCausalLM': GPT2LMHeadModel's forward then compiles as one graph with "
+                         "the loss, not two (transformers' warning about the unnamed loss is a graph break); 2%% "
+                         "slower on an H100 (benchmarks/RESULTS.md), why hpcgpu's step compiles its loss apart")
     ap.add_argument("--compile-outer", action="store_true",
                     help="compile the DDP-wrapped module instead (DDPOptimizer splits the graph at buckets)")
     ap.add_argument("--data-parallel", action="store_true",

@@ -183,9 +183,11 @@ class ExampleBlocks:
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over the labels that are not -100, as Hugging Face's causal LM
     loss computes it (float32 logits), except that a batch without one such label gives 0, not NaN."""
-    shifted = logits[:, :-1, :].float().reshape(-1, logits.shape[-1])
-    targets = labels[:, 1:].reshape(-1).to(shifted.device)
-    total = F.cross_entropy(shifted, targets, ignore_index=IGNORE, reduction="sum")
+    # each position's target is the next label, the last position's none: the labels move, not the
+    # logits (a [tokens x vocab] copy where this runs uncompiled)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1).to(logits.device)
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets, ignore_index=IGNORE,
+                            reduction="sum")
     return total / (targets != IGNORE).sum().clamp(min=1)
 
 
