@@ -223,3 +223,25 @@ def test_the_step_loss_comes_from_the_logits_through_a_loss_compiled_apart(tmp_p
     for compiled in (False, True):
         got = logits_loss(compiled)(model(input_ids=x).logits, x)
         assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_a_mixture_of_experts_model_keeps_its_router_loss_in_the_step_loss() -> None:
+    """A forward without labels returns the router's load-balancing loss apart: the step adds it as
+    Hugging Face does with labels (router_aux_loss_coef x aux_loss), so MoE training is unchanged."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hpcgpu.runtime.tasks.train import logits_loss, model_loss
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+                        output_router_logits=True, router_aux_loss_coef=0.5)
+    model = MixtralForCausalLM(cfg)
+    x = torch.randint(0, 128, (2, 16))
+    want = model(input_ids=x, labels=x).loss
+    out = model(input_ids=x)
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    got = model_loss(out, x, logits_loss(False), cfg.router_aux_loss_coef)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert model_loss(out, x, logits_loss(False), 0.0).item() < got.item()

@@ -108,6 +108,18 @@ def logits_loss(compiled: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.
     return torch.compile(causal_lm_loss) if compiled else causal_lm_loss
 
 
+def model_loss(out: Any, labels: torch.Tensor, loss_of_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               aux_coef: float) -> torch.Tensor:
+    """The loss Hugging Face computes when given labels, from a forward without them: the labelled
+    tokens' mean cross entropy, plus a mixture-of-experts model's router load-balancing loss times
+    config.router_aux_loss_coef where the model returns one (output_router_logits)."""
+    loss = loss_of_logits(out.logits, labels)
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None and aux_coef:
+        loss = loss + aux_coef * aux.to(loss.device)
+    return loss
+
+
 def count_params(model: torch.nn.Module) -> int:
     """Parameters, also when ZeRO-3 has partitioned them away (ds_numel is the full size)."""
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
@@ -233,6 +245,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
         self.cuda_graphs = p.compile and t.compile_mode in ("reduce-overhead", "max-autotune")
         self.logits_loss = logits_loss(p.compile)
+        self.aux_loss_coef = float(getattr(self.raw_model.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.ddp_options = ddp_options(spec, own_loop=True, compiled=p.compile)
         self.model: Any = self._wrap(self.raw_model)
         self.step = 0
@@ -354,8 +367,8 @@ class Trainer:
         with self._autocast():
             if self.tp.fused_loss:  # the wrapper returns the loss itself (runtime/fused_loss.py)
                 return self.model(ids, labels, mask)
-            # the loss of the labelled tokens, averaged within this micro batch (as HF's would be)
-            return self.logits_loss(self.model(input_ids=ids, attention_mask=mask).logits, labels)
+            out = self.model(input_ids=ids, attention_mask=mask)
+            return model_loss(out, labels, self.logits_loss, self.aux_loss_coef)
 
     def _loss_share(self, idx: torch.Tensor, n: int) -> torch.Tensor:
         """A micro batch's loss as its share of the step's mean over `n` (without accumulation there is
