@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -87,3 +89,42 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> tuple[str, flo
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class IntervalMarks:
+    """The timed loop's ms/step over every `every` steps, as hpcgpu's step log gives it: a mark per interval
+    (a CUDA event on the GPU, so the loop never waits for it; the host clock on CPU), read once at the end.
+    A steady step has a narrow range; a drift shows as first != last."""
+
+    def __init__(self, device: torch.device, every: int):
+        self.cuda, self.every = device.type == "cuda", every
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def after_step(self, done: int) -> None:
+        """`done` timed steps are queued: a mark at every interval's end."""
+        if done % self.every == 0:
+            self.mark()
+
+    def summary(self) -> dict | None:
+        """median/min/max/first/last ms/step of the intervals (call after the final synchronisation)."""
+        pairs = list(zip(self.marks, self.marks[1:]))
+        if self.cuda:
+            ms = [a.elapsed_time(b) / self.every for a, b in pairs]
+        else:
+            ms = [(b - a) * 1000 / self.every for a, b in pairs]
+        if not ms:
+            return None
+        return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "first": ms[0], "last": ms[-1]}
+
+
+def add_interval_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--interval", type=int, default=10,
+                    help="steps per timed interval for the ms/step range (as hpcgpu's log_every; default 10)")

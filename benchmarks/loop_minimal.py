@@ -42,8 +42,8 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from loop_common import (add_model_args, build_model, flops_per_token, model_defaults,  # noqa: E402
-                         peak_flops, setup_dist, sync)
+from loop_common import (IntervalMarks, add_interval_arg, add_model_args, build_model,  # noqa: E402
+                         flops_per_token, model_defaults, peak_flops, setup_dist, sync)
 
 # dense bf16 tensor FLOP/s (no sparsity), hpcgpu/gpu/peak.py's numbers; the first match wins
 
@@ -51,6 +51,7 @@ from loop_common import (add_model_args, build_model, flops_per_token, model_def
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)  # --model, the size flags, --seq-len, --micro-batch
+    add_interval_arg(ap)
     ap.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step (no_sync before the last)")
     ap.add_argument("--steps", type=int, default=600, help="timed optimizer steps, after --warmup")
     ap.add_argument("--warmup", type=int, default=50, help="untimed steps first (>= 1; step 1 compiles)")
@@ -146,9 +147,12 @@ def main() -> None:
     for _ in range(args.warmup - 1):
         loss = step()
     sync(device)
+    intervals = IntervalMarks(device, args.interval)
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    intervals.mark()
+    for i in range(args.steps):
         loss = step()
+        intervals.after_step(i + 1)
     sync(device)
     elapsed = time.perf_counter() - t0
     if profiler is not None:
@@ -163,6 +167,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({
             "program": "minimal", "tokens_per_s": tok_s, "ms_per_step": 1000 * elapsed / args.steps,
+            "interval_ms": intervals.summary(),
             "timed_s": elapsed, "timed_steps": args.steps, "warmup_steps": args.warmup,
             "mfu": tok_s * fpt / (peak * gpus) if peak else None, "flops_per_token": fpt, "peak_flops": peak,
             "ttfs_s": step1_done - T_START, "step1_done_unix": step1_done, "process_start_unix": T_START,

@@ -63,8 +63,9 @@ are flagged with the --steps that would reach it. tok/s = tokens of the timed st
 torch.cuda.synchronize() calls; hpcgpu's comes from its run dir's metrics.jsonl: "train" records
 (step, tokens = tokens seen so far, ms_per_step and tokens_per_s over the steps since the previous
 record, mfu), written at step 1, every train.log_every (= --log-every) steps and the last, each timed
-on the GPU's clock (runtime/steplog.py); each hpcgpu run's line gives the range and median of those
-intervals' ms/step (a wide range: an erratic, host-bound step). The timed window is from the record of step
+on the GPU's clock (runtime/steplog.py); the loops time the same --log-every intervals with CUDA events
+(loop_common.py IntervalMarks, read after the loop); each run's line gives the range, median, first and
+last of those intervals' ms/step (a wide range: an erratic, host-bound step; first != last: a drift). The timed window is from the record of step
 --warmup to the last (--warmup and --steps must be multiples of --log-every): its time is the sum of
 ms_per_step x steps of those records, its tokens the difference of "tokens". MFU: hpcgpu's count,
 (6 x parameters + 12 x layers x heads x head_dim x seq) x tok/s / (GPUs x dense bf16 peak, 989 TFLOP/s
@@ -223,7 +224,7 @@ def loop_cmd(args: argparse.Namespace, program: str, gpus: int, warmup: int, ste
            "--micro-batch", str(args.micro_batch), "--accum", str(args.accum), "--steps", str(steps),
            "--warmup", str(warmup), "--compile" if args.compile else "--no-compile",
            "--device", "cpu" if args.cpu else "auto", "--precision", args.precision, "--lr", str(args.lr),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--interval", str(args.log_every)]
     if model == "llama-1b":
         cmd += ["--n-kv-head", str(args.n_kv_head), "--intermediate", str(args.intermediate)]
     if program == "careful":
@@ -247,7 +248,8 @@ def run_loop(args: argparse.Namespace, work: Path, program: str, gpus: int, tag:
             "timed_s": res["timed_s"], "timed_steps": res["timed_steps"],
             "ttfs_s": res["step1_done_unix"] - t_launch, "ttfs_inproc_s": res["ttfs_s"],
             "final_loss": res["final_loss"], "params": res["params"], "device": res["device"],
-            "peak_mem_gib": res.get("peak_mem_gib"), "flops_per_token": res["flops_per_token"], "wall_s": wall}
+            "peak_mem_gib": res.get("peak_mem_gib"), "flops_per_token": res["flops_per_token"], "wall_s": wall,
+            "interval_ms": res.get("interval_ms")}
 
 
 class RunFailed(Exception):
@@ -359,7 +361,8 @@ def hpcgpu_timed(recs: list[dict[str, Any]], warmup: int, steps: int) -> dict[st
             "mfu": tok_s * factor if factor is not None else None,
             "timed_s_wall": float(prev["time"]) - float(start["time"]), "final_loss": prev.get("loss"),
             "peak_mem_gib": prev.get("peak_mem_gib"),
-            "interval_ms": {"median": statistics.median(intervals), "min": min(intervals), "max": max(intervals)}}
+            "interval_ms": {"median": statistics.median(intervals), "min": min(intervals), "max": max(intervals),
+                            "first": intervals[0], "last": intervals[-1]}}
 
 
 def run_hpcgpu(args: argparse.Namespace, work: Path, data: Path, gpus: int, tag: str,
@@ -871,8 +874,8 @@ def main(argv: list[str]) -> int:
                     res.setdefault(p, []).append(r)
                     mfu = f", MFU {r['mfu'] * 100:.1f}%" if isinstance(r.get("mfu"), (int, float)) else ""
                     iv = r.get("interval_ms")
-                    spread = (f" (logged intervals {iv['min']:.1f}-{iv['max']:.1f}, median {iv['median']:.1f})"
-                              if iv else "")
+                    spread = (f" ({args.log_every}-step intervals {iv['min']:.1f}-{iv['max']:.1f}, median "
+                              f"{iv['median']:.1f}, first {iv['first']:.1f}, last {iv['last']:.1f})" if iv else "")
                     note(f"round {rnd} {g} GPU(s) {p}: {r['tokens_per_s']:,.0f} tok/s{mfu}, {r['ms_per_step']:.2f} "
                          f"ms/step{spread} over {r['timed_s']:.1f} s; first step {first_step_text(r)} after launch; "
                          f"process {r['wall_s']:.0f} s")
