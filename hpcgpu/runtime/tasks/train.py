@@ -82,20 +82,31 @@ def place_tokens(blocks: Blocks, device: torch.device) -> Blocks | torch.Tensor:
     return blocks
 
 
-def fetch_batch(blocks: Blocks | torch.Tensor, idx: torch.Tensor, device: torch.device) -> Batch:
-    def to_device(tensor: torch.Tensor) -> torch.Tensor:
-        # from pinned memory: a copy from pageable memory makes the host wait for every kernel queued
-        # before it, so the GPU would idle each step while the host queued the next one
-        if device.type == "cuda":
-            tensor = tensor.pin_memory()
-        return tensor.to(device, non_blocking=True)
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # from pinned memory: a copy from pageable memory makes the host wait for every kernel queued
+    # before it, so the GPU would idle each step while the host queued the next one
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
-    if isinstance(blocks, torch.Tensor):  # placed on the GPU: only the indices travel
-        return blocks[to_device(idx)]
-    batch = blocks.take(idx)
+
+def batch_to(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, dict):  # chat/prompt_completion: input_ids, labels, attention_mask
-        return {key: to_device(value) for key, value in batch.items()}
-    return to_device(batch)
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return to_device(batch, device)
+
+
+def fetch_batch(blocks: Blocks | torch.Tensor, idx: torch.Tensor, device: torch.device) -> Batch:
+    if isinstance(blocks, torch.Tensor):  # placed on the GPU: only the indices travel
+        return blocks[to_device(idx, device)]
+    return batch_to(blocks.take(idx), device)
+
+
+def batch_fields(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input_ids, labels, attention_mask): a text batch is the ids, which are the labels too."""
+    if isinstance(batch, torch.Tensor):
+        return batch, batch, None
+    return batch["input_ids"], batch["labels"], batch["attention_mask"]
 
 
 # ---------------------------------------------------------------- model
@@ -359,11 +370,7 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
-        batch = fetch_batch(self.train_blocks, idx, self.device)
-        if isinstance(batch, torch.Tensor):  # text: every token is a label
-            ids, labels, mask = batch, batch, None
-        else:
-            ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+        ids, labels, mask = batch_fields(fetch_batch(self.train_blocks, idx, self.device))
         with self._autocast():
             if self.tp.fused_loss:  # the wrapper returns the loss itself (runtime/fused_loss.py)
                 return self.model(ids, labels, mask)
@@ -547,14 +554,10 @@ class Trainer:
         losses = []
         for batch in eval_batches(self.eval_blocks, self.micro, self.spec.train.eval_batches,
                                   self.ctx.rank, self.world):
-            with self._autocast():
-                if isinstance(batch, torch.Tensor):
-                    batch = batch.to(self.device)
-                    losses.append(self.raw_model(input_ids=batch, labels=batch).loss.float())
-                    continue
-                batch = {key: value.to(self.device) for key, value in batch.items()}
-                logits = self.raw_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                losses.append(causal_lm_loss(logits, batch["labels"]))
+            ids, labels, mask = batch_fields(batch_to(batch, self.device))
+            with self._autocast():  # the step's loss, uncompiled as the raw model is
+                out = self.raw_model(input_ids=ids, attention_mask=mask)
+                losses.append(model_loss(out, labels, causal_lm_loss, self.aux_loss_coef))
         if not losses:
             return None
         return float(ranks_mean(torch.stack(losses).mean()).item())
