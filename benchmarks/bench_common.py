@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
+import socket
 import statistics
 import subprocess
 import tempfile
@@ -20,6 +21,17 @@ def nvidia_smi_names() -> list[str] | None:
         return None
     proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
     return [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()] if proc.returncode == 0 else None
+
+
+def host_id(args: argparse.Namespace) -> str:
+    """This host: its name and, on GPUs, its GPUs' UUIDs (a device tool's fresh machine may reuse a name).
+    Rounds pooled from several calls must come from one host, as the issue's interleaving asks."""
+    host = socket.gethostname()
+    if args.cpu or shutil.which("nvidia-smi") is None:
+        return host
+    proc = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True)
+    uuids = sorted(ln.strip() for ln in proc.stdout.splitlines() if ln.strip()) if proc.returncode == 0 else []
+    return f"{host} ({', '.join(uuids)})" if uuids else host
 
 
 def gpu_name(args: argparse.Namespace) -> str:

@@ -91,8 +91,9 @@ GPU, each hpcgpu program's median MFU against issue 15's goal for the model (gpt
 0.40). Fewer than 3 rounds or short measurements are said next to the verdicts.
 
 Writes the report as JSON to $OUT/train_vs_loops.json (or --json PATH; and to --append FILE, which
-pools the rounds of earlier calls of the same setup); every program's stdout/stderr are kept in
-<work>/logs (a temporary work dir is removed at the end). Children get NCCL_NVLS_ENABLE=0 and a job
+pools the rounds of earlier calls of the same setup on the same host: its name and GPU UUIDs, so a
+fresh device machine starts a new file); every program's stdout/stderr are kept in <work>/logs (a
+temporary work dir is removed at the end). Children get NCCL_NVLS_ENABLE=0 and a job
 registry in the work dir (HPCGPU_REGISTRY). This process never touches CUDA (hpcgpu's busy-GPU check
 would see it); it does not import torch.
 """
@@ -115,7 +116,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import (TRAIN_MODELS, fill_model_defaults, gpu_name, nvidia_smi_names, rotated, spread,
+from bench_common import (TRAIN_MODELS, fill_model_defaults, gpu_name, host_id, nvidia_smi_names, rotated, spread,
                           train_model_config, work_dir)
 from hpcgpu.contract import startup_phases  # imports nothing of ours, and no torch
 
@@ -670,7 +671,8 @@ def print_report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- main
 
 def run_setup(args: argparse.Namespace, gpu: str) -> dict[str, Any]:
-    setup = {"gpu": gpu, **{k: getattr(args, k) for k in SETUP_KEYS}}
+    # the host too: --append pools the rounds of one host only (a fresh device machine is another host)
+    setup = {"gpu": gpu, "host": host_id(args), **{k: getattr(args, k) for k in SETUP_KEYS}}
     if args.variants:  # only then: files written before the option pool as before
         setup["hpcgpu_variants"] = args.variants
     if args.checkouts:
