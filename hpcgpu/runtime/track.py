@@ -131,9 +131,24 @@ class WandbTracker:
     def close(self) -> None:
         try:
             self.run.finish()
+        except Exception:
+            # its helper process (wandb-core) is gone: a SIGTERM to every process of a SLURM job ends it.
+            # Ending wandb's side of the connection now keeps its exit hook from printing a traceback
+            # at the end of the job's log, under the tracker's one warning
+            teardown_wandb_quietly()
+            raise
         finally:
             if self.sent != self.saved:
                 self._save_step()
+
+
+def teardown_wandb_quietly() -> None:
+    import wandb
+
+    try:
+        wandb.teardown()
+    except Exception:
+        pass  # the service is gone: what failed is already reported
 
 
 def wandb_run_id(run_dir: Path) -> str:

@@ -11,6 +11,8 @@ import json
 import logging
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,38 @@ def test_both_trackers_mirror_a_stopped_and_resumed_train_run(tmp_path: Path) ->
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "tracker tensorboard" not in log and "tracker wandb" not in log  # no tracker failed
     assert "Traceback" not in log
+
+
+# W&B's helper process ended under the job, as a SIGTERM to every process of a SLURM job ends it
+WANDB_CORE_ENDS = """
+import logging, signal, sys
+from pathlib import Path
+import psutil
+from hpcgpu.runtime.track import Tracking, WandbTracker
+from hpcgpu.spec.load import spec_from_raw
+
+logging.basicConfig(level=logging.WARNING)
+spec = spec_from_raw({"name": "x", "task": "command", "command": ["true"], "track": {"wandb": {"project": "p"}}})
+tracking = Tracking(spec, None, {"wandb": lambda purge: WandbTracker(spec, Path(sys.argv[1]))})
+tracking.record("train", {"step": 1, "loss": 1.0})
+for child in psutil.Process().children(recursive=True):
+    if "wandb-core" in " ".join(child.cmdline()):
+        child.send_signal(signal.SIGTERM)
+        child.wait(30)
+        print("wandb-core ended", flush=True)
+tracking.record("train", {"step": 2, "loss": 0.5})
+tracking.close()
+"""
+
+
+def test_wandb_ended_under_the_job_is_one_warning_and_no_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", WANDB_CORE_ENDS, str(tmp_path)], env=tracker_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "wandb-core ended" in proc.stdout
+    assert proc.stderr.count("tracker wandb: log at step 2 failed") == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]  # wandb's exit hook said nothing more
+    assert (tmp_path / "wandb-step").read_text().strip() == "1"
 
 
 # ---------------------------------------------------------------- checks at submit
