@@ -10,7 +10,7 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields as dataclass_fields, replace
 from typing import Any, Callable, Sequence
 from pathlib import Path
 
@@ -114,14 +114,25 @@ def refresh(registry: Registry, jobs: list[JobRecord]) -> list[JobRecord]:
             changed = _refresh_slurm(job, infos)
         elif job.executor == "local" and not is_final(job.state) and not executor_alive(job) \
                 and not run_dir_held(job):
-            # the executor records the final state itself; gone without doing so means it was killed
-            job.state = "CANCELLED" if job.cancel_requested else "FAILED"
-            job.reason = "the local executor process ended without recording a result"
-            job.ended = job.ended or time.time()
-            changed = True
+            changed = _refresh_ended_local(registry, job)
         if explain_failures(job) or changed:
             registry.save(job)
     return jobs
+
+
+def _refresh_ended_local(registry: Registry, job: JobRecord) -> bool:
+    """A local job whose executor is gone: its own final word, or, without one, killed. This copy may
+    be older than that word (`logs -f` holds one from before the job ended): the registry's row is
+    read again first, so a COMPLETED job is never overwritten as FAILED."""
+    stored = registry.reread(job)
+    if stored is not None and is_final(stored.state):
+        for f in dataclass_fields(JobRecord):
+            setattr(job, f.name, getattr(stored, f.name))
+        return False
+    job.state = "CANCELLED" if job.cancel_requested else "FAILED"
+    job.reason = "the local executor process ended without recording a result"
+    job.ended = job.ended or time.time()
+    return True
 
 
 def _refresh_slurm(job: JobRecord, infos: dict[str, JobInfo]) -> bool:

@@ -327,6 +327,13 @@ class Registry:
                     return job, task
         raise HpcgpuError(f"no job {ref!r} in the registry {self.path} (`hpcgpu list` shows the known ones)")
 
+    def reread(self, job: JobRecord) -> JobRecord | None:
+        """The job as the registry holds it now (another process may have saved it since it was read)."""
+        if job.key is None:
+            return None
+        rows = self._select("WHERE key = ?", (job.key,), limit=1)
+        return rows[0] if rows else None
+
     def with_run_dir(self, run_dir: str) -> list[JobRecord]:
         return self._select("WHERE run_dir = ?", (run_dir,))
 

@@ -257,3 +257,22 @@ def test_one_sacct_call_for_forgotten_and_requeued_jobs(monkeypatch):
     assert [c[0] for c in calls] == ["squeue", "sacct"] and calls[1][-1] == "29,30"
     assert got["30"].total_s == 80 and got["30"].state == "RUNNING" and got["30"].gpus == 2
     assert got["31"].total_s is None and got["29"].state == "COMPLETED" and got["29"].elapsed == "00:05:00"
+
+
+def test_a_stale_copy_of_a_local_job_that_has_ended_takes_its_recorded_result(tmp_path, env):
+    """`hpcgpu logs -f` holds the job from before it ended; its refresh must not write FAILED over the
+    COMPLETED the local executor saved meanwhile."""
+    run_dir = tmp_path / "local"
+    run_dir.mkdir()
+    registry = Registry()
+    held = registry.add(JobRecord("", "exp", "/s.yaml", str(run_dir), "local", state="RUNNING", pid=2**22 + 7))
+    finished = registry.find(held.job_id)[0]
+    registry.update(finished, state="COMPLETED", exit_code=0, reason="")  # the executor's own word
+    jobs_mod.refresh(registry, [held])  # its pid is gone and nothing holds the run dir
+    assert held.state == "COMPLETED" and held.exit_code == 0
+    assert registry.find(held.job_id)[0].state == "COMPLETED"
+    assert cli_json("status", held.job_id)["state"] == "COMPLETED"
+
+    killed = registry.add(JobRecord("", "exp", "/s.yaml", str(run_dir), "local", state="RUNNING", pid=2**22 + 7))
+    jobs_mod.refresh(registry, [killed])  # no word from the executor: it was killed
+    assert registry.find(killed.job_id)[0].state == "FAILED"
