@@ -6,6 +6,7 @@ exit codes, the HPCGPU_* variables a launcher sets for a rank, the failure recor
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -136,12 +137,24 @@ class Failure:
 
 
 def attempt_id(environ: Mapping[str, str] | None = None) -> str:
-    """This run of the job: the same in every rank of one start, new after every requeue."""
+    """This run of the job: the same in every rank of one start, new after every requeue.
+
+    Without a SLURM (or local executor) job id, one start is one launch: under torchrun (or ranks
+    started by hand with WORLD_SIZE) the ranks' parent and rendezvous, a lone `hpcgpu run` its own
+    process. A fixed id there would make a second launch in the same folder take the first one's
+    failure markers for its own (and say nothing of its error)."""
     env = os.environ if environ is None else environ
     job = env.get("SLURM_JOB_ID", "")
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return f"{job or 'nojob'}.{env.get('SLURM_RESTART_COUNT') or '0'}"
+    if job:
+        return f"{job}.{env.get('SLURM_RESTART_COUNT') or '0'}"
+    if env.get("WORLD_SIZE"):
+        launch = "|".join([env.get("TORCHELASTIC_RUN_ID", ""), env.get("MASTER_ADDR", ""),
+                           env.get("MASTER_PORT", ""), str(os.getppid())])
+        digest = hashlib.sha1(launch.encode()).hexdigest()[:10]
+        return f"launch-{digest}.{env.get('TORCHELASTIC_RESTART_COUNT') or '0'}"
+    return f"nojob-{os.getpid()}.0"
 
 
 def record_failure(run_dir: Path, failure: Failure, overwrite: bool = False) -> None:
