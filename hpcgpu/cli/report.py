@@ -14,7 +14,8 @@ from hpcgpu.errors import UsageError
 @click.command()
 @click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="Where to write the PNG (default: RUN_DIR/report.png).")
+              help="Where to write the plot: .png (default RUN_DIR/report.png), .pdf or .svg; the summary "
+                   "goes beside it as .json.")
 @click.option("--json", "as_json", is_flag=True, help="The summary as JSON.")
 def report(run_dir: str, output: str | None, as_json: bool) -> None:
     """Plot a run: train/eval loss, tokens/s, and per-GPU utilization, memory and power over time
@@ -25,11 +26,34 @@ def report(run_dir: str, output: str | None, as_json: bool) -> None:
     tokens/s, peak memory, restarts and whether outputs.jsonl is complete (FINISHED)."""
     from hpcgpu.report import write_report
 
-    if output and not Path(output).resolve().parent.is_dir():
-        raise UsageError(f"-o: the folder of {output} does not exist")
-    png, panels, summary = write_report(run_dir, output)
+    path = plot_path(output)
+    try:
+        png, panels, summary = write_report(run_dir, path)
+    except OSError as exc:
+        if path is None or exc.filename is None or Path(exc.filename) not in (path, path.with_suffix(".json")):
+            raise
+        raise UsageError(f"-o {output}: cannot write {exc.filename}: {exc.strerror}") from None
     if as_json:
         click.echo(json.dumps({"png": str(png), "panels": panels, "summary": asdict(summary)}, indent=2))
         return
     click.echo(summary.text())
     click.echo(f"wrote {png} ({', '.join(panels) or 'no panels: nothing to plot yet'})")
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+def plot_path(output: str | None) -> Path | None:
+    """-o as the file that will be written (matplotlib adds .png to a name without a suffix), checked
+    before anything is drawn: a format or a place it cannot write is one line."""
+    if not output:
+        return None
+    path = Path(output)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise UsageError(f"-o {output}: the plot is written as {', '.join(PLOT_FORMATS)}; not {path.suffix}")
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise UsageError(f"-o: the folder of {output} does not exist")
+    return path

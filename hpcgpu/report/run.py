@@ -204,7 +204,9 @@ def summarize(d: RunData) -> Summary:
         final_loss=_num(d.train[-1].get("loss")) if d.train else None,
         final_eval_loss=_num(d.eval[-1].get("loss")) if d.eval else None,
         restarts=sum(1 for r in d.events if r.get("kind") == "resume"),
-        finished=any(r.get("kind") == "end" for r in d.events),
+        # the train task's "end" record, or the FINISHED marker every task leaves (your own main(ctx)
+        # writes no "end" record unless it chooses to)
+        finished=any(r.get("kind") == "end" for r in d.events) or is_finished(d.run_dir),
         gpu_peak_mem=peak, gpu_mean_util=mean_util,
         peak_allocated_gib=max((v for r in d.train if (v := _num(r.get("peak_mem_gib"))) is not None), default=None),
         startup_s=[v for r in d.startups if (v := _num(r.get("total_s"))) is not None],

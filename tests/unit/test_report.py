@@ -116,6 +116,24 @@ def test_gpu_only_run_and_nan_losses(tmp_path):
     assert "peak allocated   1.50 GiB (torch, rank 0)" in done.stdout
 
 
+def test_report_output_names_and_places(tmp_path):
+    run = tmp_path / "r" / "1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 2.0, "tokens": 8}) + "\n")
+    done = report(str(run), "-o", str(tmp_path / "plain"))  # no suffix: matplotlib's .png, and said so
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {tmp_path / 'plain.png'} " in done.stdout
+    assert (tmp_path / "plain.png").is_file() and (tmp_path / "plain.json").is_file()
+    assert "(not finished)" in done.stdout
+    (run / "FINISHED").write_text("done\n")  # a main(ctx) run: no "end" record, the marker says it
+    assert "(not finished)" not in report(str(run)).stdout
+    for bad, says in [("r.txt", "the plot is written as .png, .pdf, .svg; not .txt"),
+                      ("/proc/x.png", "cannot write /proc/x.png")]:
+        done = report(str(run), "-o", bad)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert says in done.stderr
+
+
 @pytest.mark.parametrize("make", ["missing", "empty"])
 def test_report_errors_are_one_line(tmp_path, make):
     run = tmp_path / "run"
