@@ -140,7 +140,9 @@ def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy:
                                        started=started)
     code, job_id, run_dir = local_submit.exit_code(record), record.job_id, Path(record.run_dir)
     if code == EXIT_STOPPED:
-        click.echo(f"job {job_id} stopped at a checkpoint; run the same command again to resume", err=True)
+        # --new again would start afresh in another run dir: the command that resumes is without it
+        again = "the same command without --new" if fresh else "the same command again"
+        click.echo(f"job {job_id} stopped at a checkpoint; run {again} to resume", err=True)
         return code
     if code:
         f = record.failure or {}

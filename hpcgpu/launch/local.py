@@ -115,6 +115,18 @@ def _pump(src: IO[str], sinks: list[IO[str]]) -> None:
                 sinks.remove(sink)
 
 
+def check_fits_here(spec: Spec) -> list[str]:
+    """The GPUs the local executor gives the job here; HpcgpuError (one line) where it cannot run it
+    here at all. Submit calls it before it writes anything (no run dir, no registry row)."""
+    if spec.resources.nodes > 1:
+        raise HpcgpuError("the local executor runs on one node: use --nodes 1 (or submit to SLURM)")
+    gpus = local_gpus(spec)
+    if gpus and len(gpus) < spec.resources.gpus:
+        raise HpcgpuError(f"--gpus {spec.resources.gpus}: only {len(gpus)} GPU(s) here ({','.join(gpus)}); "
+                          "ask for fewer")
+    return gpus
+
+
 def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: IO[str] | None,
                 restart_count: int = 0, lock: runlock.RunLock | None = None) -> list[Rank]:
     """Start the ranks from this thread (it must outlive them: the kernel's parent-death signal
@@ -123,13 +135,8 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
     if lock is None:
         with runlock.hold(run_dir, job_id) as own:
             return start_ranks(spec, spec_path, run_dir, job_id, echo, restart_count, own)
-    if spec.resources.nodes > 1:
-        raise HpcgpuError("the local executor runs on one node: use --nodes 1 (or submit to SLURM)")
+    gpus = check_fits_here(spec)
     world = spec.tasks_per_node
-    gpus = local_gpus(spec)
-    if gpus and len(gpus) < spec.resources.gpus:
-        raise HpcgpuError(f"--gpus {spec.resources.gpus}: only {len(gpus)} GPU(s) here ({','.join(gpus)}); "
-                          "ask for fewer")
     port = free_port()
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

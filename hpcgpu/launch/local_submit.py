@@ -23,6 +23,7 @@ from typing import IO, Callable, Mapping
 from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch import runlock
+from hpcgpu.launch.local import check_fits_here
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir
 from hpcgpu.launch.sweep import SweepTask, write_sweep
@@ -174,6 +175,7 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
     `fresh`; RunDirLocked (one line) when a live job writes that dir; then the busy-GPU check
     (check_busy), before anything is written. `started(record)` is called once the job is
     registered, before the ranks start."""
+    check_fits_here(spec)
     run_dir = unfinished_run(spec, registry, fresh)  # first: a live run of this job uses our GPUs itself
     check_busy(spec, ignore_busy, say)
     with contextlib.ExitStack() as held:
@@ -201,6 +203,8 @@ def submit_local_sweep(spec: Spec, tasks: list[SweepTask], spec_ref: str, regist
                        started: Started = _nothing) -> JobRecord:
     """A sweep with the local executor: the tasks one after another, as one registered job with a
     task per point; stops after a cancelled task. Returns the record once the last task ended."""
+    for task in tasks:
+        check_fits_here(task.spec)
     check_busy(spec, ignore_busy, say)
     sweep = write_sweep(spec, tasks)
     record = registry.add(new_record(spec, spec_ref, sweep.root, pid=os.getpid()))

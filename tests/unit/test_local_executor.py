@@ -183,11 +183,11 @@ def test_a_crashing_rank_ends_the_job(tmp_path: Path, entry: str) -> None:
         kill_leftovers(marker)
 
 
-def start_long_train(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+def start_long_train(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
     spec = train_spec(name, train={"max_steps": 100000, "warmup_steps": 2})
     path = write_spec_file(tmp_path, spec)
     log = open(tmp_path / f"{name}.out", "w")
-    proc = subprocess.Popen(submit_cmd(path), stdout=log, stderr=subprocess.STDOUT, env=job_env(),
+    proc = subprocess.Popen(submit_cmd(path, *args), stdout=log, stderr=subprocess.STDOUT, env=job_env(),
                             cwd=tmp_path, start_new_session=True)
     log.close()
 
@@ -240,7 +240,7 @@ def alive(pid: int) -> bool:
 
 def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
     marker = str(tmp_path / "runs")
-    proc, run_dir = start_long_train(tmp_path, "ctrlc")
+    proc, run_dir = start_long_train(tmp_path, "ctrlc", "--new")
     try:
         pids = [p.pid for p in rank_processes(marker)]
         assert len(pids) == 2
@@ -250,7 +250,10 @@ def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
         elapsed = time.monotonic() - sent
         print(f"Ctrl-C to all ranks gone: {elapsed:.1f} s")
         assert gone, f"rank processes still alive 30 s after Ctrl-C: {rank_processes(marker)}"
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 75
         assert not rank_processes(marker)
+        # submitted with --new: the same command would start afresh elsewhere, so the hint drops it
+        assert "stopped at a checkpoint; run the same command without --new to resume" in \
+            (tmp_path / "ctrlc.out").read_text()
     finally:
         stop(proc, marker)

@@ -254,6 +254,17 @@ def test_too_many_gpus_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("sweep", [(), ("--sweep", "train.seed=1,2")])
+def test_a_local_job_that_cannot_run_here_is_refused_before_anything_is_written(tmp_path, monkeypatch, sweep):
+    monkeypatch.setenv("HPCGPU_REGISTRY", str(tmp_path / "jobs.db"))
+    done = hpcgpu("submit", str(CONFIGS / "hello-command.yaml"), "--executor", "local", "--nodes", "2",
+                  "--set", f"runs_dir={tmp_path}/runs", *sweep)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "hpcgpu: error: the local executor runs on one node: use --nodes 1 (or submit to SLURM)\n"
+    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "jobs.db").exists() or Registry(tmp_path / "jobs.db").count() == 0
+
+
 def write_registry(path: Path, *jobs: JobRecord) -> None:
     reg = Registry(path)
     for job in jobs:
