@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlparse
 
 from hpcgpu.errors import HpcgpuError, SpecError
+from hpcgpu.launch.registry import file_system_type
 from hpcgpu.spec import Spec
 from hpcgpu.spec.load import export_drops, is_local_path
 
@@ -318,7 +319,14 @@ def runs_dir_problem(spec: Spec) -> str | None:
             return f"{spec.runs_dir}: {writable_dir} is on a read-only filesystem"
     except OSError:
         pass
+    kind = file_system_type(writable_dir)
+    if kind in KERNEL_FS:  # writable to root by its mode bits, but no folder can be made there
+        return f"{spec.runs_dir}: {writable_dir} is on the kernel's {kind} filesystem, which holds no run dirs"
     return None
+
+
+KERNEL_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "devpts",
+                       "mqueue", "pstore", "bpf", "configfs", "fusectl", "binfmt_misc", "hugetlbfs"})
 
 
 # --- env_passthrough ------------------------------------------------------------------------------

@@ -195,7 +195,7 @@ RUNS_DIR_CASES = ["file-in-the-way", "file-at-name", "under-a-file", "proc",
                   pytest.param("read-only", marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes anyway"))]
 
 
-@pytest.mark.parametrize("command", ["sbatch", "submit-local", "submit-slurm"])
+@pytest.mark.parametrize("command", ["validate", "sbatch", "submit-local", "submit-slurm"])
 @pytest.mark.parametrize("case", RUNS_DIR_CASES)
 def test_an_unwritable_runs_dir_is_one_line_naming_key_and_path(tmp_path, case, command):
     runs_dir = blocked_runs_dir(tmp_path, case)
