@@ -6,6 +6,7 @@ import click
 from hpcgpu.cli.options import read_spec, spec_options
 from hpcgpu.launch.checks import check_host
 from hpcgpu.launch.replicas import resolve_gpus_per_replica
+from hpcgpu.launch.sweep import check_one_script, sweep_tasks
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.spec import dump_spec
 from hpcgpu.spec.derive import fixed_max_steps
@@ -18,6 +19,9 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
     """Check SPEC and print what it resolves to."""
     spec = read_spec(spec_file, overrides, gpus, nodes)
     check_host(spec)  # input files, model type, runs_dir: what the job would fail on, found here
+    tasks = sweep_tasks(spec)
+    if tasks:
+        check_one_script(tasks)  # as `submit` to SLURM would refuse it: one job array shares one script
     spec = resolve_gpus_per_replica(spec, local=False)
     r = spec.resources
     click.echo(f"{spec_file}: ok")

@@ -226,6 +226,9 @@ def test_sweep_errors_name_the_key(tmp_path):
         sweep_tasks(with_sweep(spec, ("train.global_batch_size=16,7",)))
     with pytest.raises(UsageError, match="different batch script"):
         check_one_script(sweep_tasks(with_sweep(spec, ("resources.gpus=1,2",))))
+    # validate says what submit to SLURM would say, not "ok"
+    done = hpcgpu("validate", str(CONFIGS / "hello-command.yaml"), "--set", "sweep={resources.cpus_per_gpu: [1, 2]}")
+    assert done.returncode == 2 and "different batch script" in done.stderr and done.stderr.count("\n") == 1
 
 
 def test_array_chunks_respect_max_array_size():
