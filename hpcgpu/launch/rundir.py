@@ -79,15 +79,22 @@ def remove_dirs(created: list[Path]) -> None:
 
 
 def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """`mode` is cut by the umask, as open() would cut it: `umask 077` keeps a 0o755 script private."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.write_text(text)
         if mode is not None:
-            tmp.chmod(mode)
+            tmp.chmod(mode & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def submitted_to_slurm(run_dir: Path) -> bool:

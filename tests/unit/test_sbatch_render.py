@@ -347,3 +347,16 @@ def test_setup_lines_run_verbatim_before_srun(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (out / "setup").read_text() == "setup-ran\n"
     assert srun_env(out)["FROM_SETUP"] == "42"
+
+
+@pytest.mark.parametrize("umask, mode", [(0o077, 0o700), (0o022, 0o755)])
+def test_the_written_scripts_follow_the_umask(tmp_path, umask, mode):
+    """job.sbatch holds env values and paths: `umask 077` keeps it (and the -o copy) private."""
+    out = tmp_path / "job.sbatch"
+    cmd = [sys.executable, "-m", "hpcgpu", "sbatch", str(Path(__file__).parents[2] / "configs" / "hello-command.yaml"),
+           "--set", f"runs_dir={tmp_path / 'runs'}", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: os.umask(umask))
+    assert done.returncode == 0, done.stderr
+    (in_run_dir,) = (tmp_path / "runs" / "hello").glob("*/job.sbatch")
+    assert [p.stat().st_mode & 0o777 for p in (out, in_run_dir)] == [mode, mode]
