@@ -297,6 +297,9 @@ def _check_train_keys(spec: Spec, lines: LineMap) -> None:
     t = spec.train
     if spec.task != "train":
         return
+    if spec.model.quantization != "none":  # it would be ignored: the train task loads full weights
+        raise lines.error("model.quantization", "quantized weights are for task: infer; task: train trains "
+                          "the full weights (quantized training is not supported): use quantization: none")
     if t.max_steps is not None and t.epochs is not None:
         raise lines.error("train.epochs", f"give train.max_steps ({t.max_steps}) or train.epochs ({t.epochs}), "
                           "not both")

@@ -73,6 +73,13 @@ def test_spec_checks_are_one_error(train: dict, data: dict, needle: str) -> None
         spec_from_raw(train_spec("bad", train=train, data=data))
 
 
+def test_a_quantized_model_in_a_train_spec_is_one_error_not_ignored() -> None:
+    raw = train_spec("q")
+    raw["model"]["quantization"] = "int8"
+    with pytest.raises(HpcgpuError, match="model.quantization: quantized weights are for task: infer"):
+        spec_from_raw(raw)
+
+
 def test_halving_keeps_the_global_batch_and_a_resume_prefers_the_halved_plan() -> None:
     plan = plan_train(spec_from_raw(tiny_raw(micro_batch_size="auto")), 2, device_type="cpu", gpu_memory=None,
                       bf16_supported=False)
