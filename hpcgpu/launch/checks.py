@@ -109,6 +109,32 @@ def infer_model_problem(spec: Spec) -> str | None:
     return None
 
 
+def hub_cache(spec: Spec, environ: Mapping[str, str] | None = None) -> Path:
+    """Where huggingface_hub keeps downloads for the job: HF_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub (the spec's env first, as the job sees it)."""
+    env = {**(os.environ if environ is None else environ), **{k: str(v) for k, v in spec.env.items()}}
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_model_problem(spec: Spec, environ: Mapping[str, str] | None = None) -> str | None:
+    """A hub id the train or infer task would not find: jobs load hub ids from the local cache only
+    (runtime/tasks: HF_HUB_OFFLINE=1 unless set), so one that is not there is a mistake found here."""
+    name = spec.model.name_or_path
+    if spec.task not in ("train", "infer") or not name or is_local_path(name, Path.cwd()):
+        return None
+    if str(spec.env.get("HF_HUB_OFFLINE", "1")).lower() in ("0", "false", "no", "off"):
+        return None  # the spec lets the job download
+    cache = hub_cache(spec, environ)
+    if any((cache / f"models--{name.replace('/', '--')}" / "snapshots").glob("*")):
+        return None
+    return (f"model.name_or_path: {name!r} is not a folder here, and as a hub id it is not in the Hugging Face "
+            f"cache ({cache}); jobs load hub ids from the cache only: download it first (hf download {name}) "
+            "or give the folder save_pretrained() wrote")
+
+
 def has_chat_template(folder: Path) -> bool:
     """Whether the tokenizer saved in `folder` has a chat template (where transformers saves one)."""
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file() \
@@ -420,6 +446,9 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
                 problem = input_problem(key, value)
                 if problem:
                     raise SpecError("", problem)
+        problem = hub_model_problem(one, environ)
+        if problem:
+            raise SpecError("", problem)
         problem = model_type_problem(one)
         if problem:
             raise SpecError("model.config.model_type", problem)

@@ -55,7 +55,25 @@ def name_its_loss(model: Any) -> Any:
 
 def cannot_load(spec: Spec, exc: BaseException) -> HpcgpuError:
     first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
-    return HpcgpuError(f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {first}")
+    return HpcgpuError(not_in_cache(spec.model.name_or_path)
+                       or f"model.name_or_path: cannot load {spec.model.name_or_path!r}: {first}")
+
+
+def not_in_cache(name: str | None) -> str | None:
+    """The error for a hub id this node's Hugging Face cache lacks (the job does not download:
+    runtime/tasks sets HF_HUB_OFFLINE=1 unless the spec's env says otherwise); None for a folder."""
+    import os
+
+    from hpcgpu.spec.load import is_local_path
+
+    if not name or is_local_path(name) or os.path.isdir(name):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None  # cached: the error is something else
+    return (f"model.name_or_path: {name!r} is not a folder, and as a hub id it is not in this node's Hugging Face "
+            "cache; jobs load hub ids from the cache only (HF_HUB_OFFLINE=0 in env: lets them download)")
 
 
 def config_of_spec(spec: Spec) -> Any:

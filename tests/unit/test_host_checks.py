@@ -91,9 +91,11 @@ def test_a_hub_id_is_not_a_path_and_an_existing_input_passes(tmp_path):
     (tmp_path / "exp" / "ds.json").parent.mkdir()
     (tmp_path / "exp" / "ds.json").write_text("{}")
     for name in ("gpt2", "openai-community/gpt2"):
+        # in the Hugging Face cache, where jobs load hub ids from (a missing one: the test at the end)
+        (tmp_path / "hf" / "hub" / f"models--{name.replace('/', '--')}" / "snapshots" / "c0ffee").mkdir(parents=True)
         spec = write(tmp_path, train_doc(tmp_path, model={"name_or_path": name},
                                           distributed={"deepspeed": {"config": "ds.json"}}))
-        done = hpcgpu("validate", str(spec), cwd=tmp_path)
+        done = hpcgpu("validate", str(spec), cwd=tmp_path, HF_HOME=str(tmp_path / "hf"))
         assert done.returncode == 0, done.stderr
         assert load_spec(spec).model.name_or_path == name
 
@@ -483,3 +485,26 @@ def test_infer_checks_import_no_torch(tmp_path):
         done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, cwd=tmp_path,
                               timeout=60)
         assert "HEAVY= CODE=0" in done.stderr, (args, done.stderr)
+
+
+# --- a hub id that is not in the Hugging Face cache -----------------------------------------------
+
+def test_a_hub_id_missing_from_the_cache_is_one_line_here_and_in_the_job(tmp_path):
+    """Jobs load hub ids from the cache only: validate says so before submitting, and a job that meets
+    one anyway (another node's cache) fails at once with the same cause, not a minute of retries."""
+    hf_home = tmp_path / "hf"
+    (tmp_path / "exp").mkdir()
+    spec = str(tmp_path / "exp" / "infer.yaml")  # a folder of its own: `hpcgpu run` makes it the run dir
+    (tmp_path / "exp" / "infer.yaml").write_text((CONFIGS / "tiny-infer.yaml").read_text())
+    hub_id = ["--set", "model.name_or_path=nothere/xx", "--set", f"infer.input={CONFIGS / 'data' / 'prompts.jsonl'}"]
+    one_error_line(hpcgpu("validate", spec, *hub_id, cwd=tmp_path, HF_HOME=str(hf_home)),
+                   "'nothere/xx'", "not in the Hugging Face cache", str(hf_home / "hub"))
+    (hf_home / "hub" / "models--nothere--xx" / "snapshots" / "abc").mkdir(parents=True)  # as if downloaded
+    done = hpcgpu("validate", spec, *hub_id, cwd=tmp_path, HF_HOME=str(hf_home))
+    assert "not in the Hugging Face cache" not in done.stderr
+
+    job = hpcgpu("run", spec, *hub_id, cwd=tmp_path, HF_HOME=str(tmp_path / "other-node"))
+    assert job.returncode == 2, job.stderr
+    assert "hpcgpu: error: model.name_or_path: 'nothere/xx' is not a folder, and as a hub id it is not in this " \
+           "node's Hugging Face cache" in job.stderr
+    assert "Retrying" not in job.stderr + job.stdout and "Traceback" not in job.stderr

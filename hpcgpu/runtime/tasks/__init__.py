@@ -28,6 +28,12 @@ def _dispatch(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         from hpcgpu.runtime.tasks.callable import run_callable
 
         return run_callable(spec, paths)
+    if spec.task in ("train", "infer"):
+        # hub ids come from the local cache (checked at submit): a missing one fails at once instead of
+        # retrying the network for a minute; set HF_HUB_OFFLINE=0 in env: to let the job download.
+        # Before transformers loads: huggingface_hub reads it at import. Not for command/callable: the
+        # user's own code decides
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if spec.task == "train":
         from hpcgpu.runtime.tasks.train import run_train
 

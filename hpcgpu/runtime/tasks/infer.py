@@ -60,7 +60,7 @@ from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.dist import coordination_barrier, coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.track import open_tracking
-from hpcgpu.runtime.model import load_for_inference, model_config, placement
+from hpcgpu.runtime.model import load_for_inference, model_config, not_in_cache, placement
 from hpcgpu.runtime.plan import (DTYPE_BYTES, DTYPE_OF_PRECISION, RunPlan, check_recorded, infer_precision,
                                  infer_row_bytes, plan_infer, recorded_plan, with_replicas)
 from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan
@@ -88,8 +88,8 @@ def load_infer_tokenizer(spec: Spec) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
-        raise HpcgpuError(f"model.name_or_path: no usable tokenizer in {path!r} ({first}); save the model's "
-                          "tokenizer there (tokenizer.save_pretrained)") from None
+        raise HpcgpuError(not_in_cache(path) or f"model.name_or_path: no usable tokenizer in {path!r} ({first}); "
+                          "save the model's tokenizer there (tokenizer.save_pretrained)") from None
     if not getattr(tokenizer, "vocab_size", 0):
         # transformers 5 builds an empty tokenizer of the model's class where a folder has no tokenizer files
         raise HpcgpuError(f"model.name_or_path: no usable tokenizer in {path!r} (it has no vocabulary); save "
