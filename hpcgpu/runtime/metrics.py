@@ -33,6 +33,12 @@ class MetricsWriter:
         if self.tracking is not None:
             self.tracking.record(kind, fields)  # the raw numbers: a NaN loss stays a number there
 
+    def close_trackers(self) -> None:
+        """Flush and close TensorBoard and W&B now (close() again is harmless): before a requeue,
+        whose SIGTERM to every process of the job would end W&B's helper with the run unwritten."""
+        if self.tracking is not None:
+            self.tracking.close()
+
     def close(self) -> None:
         if self._fh:
             self._fh.close()

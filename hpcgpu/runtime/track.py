@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
@@ -33,8 +32,7 @@ Metrics = dict[str, float]
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb-run-id"  # one W&B run per run dir, across requeues
-WANDB_STEP_FILE = "wandb-step"  # the highest step W&B was sent: a resumed job sends only later ones
-WANDB_STEP_SAVE_S = 1.0  # the step file is rewritten at most this often (and at close)
+WANDB_STEP_FILE = "wandb-step"  # the highest step W&B wrote (saved at a clean close): a resumed job sends later ones
 
 # metrics.jsonl fields mirrored to the trackers, by record kind: field -> tracker name
 TRAIN_FIELDS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu",
@@ -105,7 +103,7 @@ class WandbTracker:
         # only steps after the highest one sent (kept in the run dir), so the
         # steps between the last checkpoint and the stop keep the values of their first run
         self.floor = read_step(run_dir / WANDB_STEP_FILE)
-        self.sent, self.saved, self.saved_at = self.floor, self.floor, 0.0
+        self.sent = self.floor
         self.run = wandb.init(
             project=settings.project or spec.name, entity=settings.entity, mode=settings.mode,
             tags=settings.tags or None, id=wandb_run_id(run_dir), resume="allow", dir=str(run_dir),
@@ -121,25 +119,21 @@ class WandbTracker:
             return
         self.run.log(metrics, step=step)
         self.sent = step
-        if self.sent != self.saved and time.monotonic() - self.saved_at >= WANDB_STEP_SAVE_S:
-            self._save_step()
-
-    def _save_step(self) -> None:
-        write_text_atomic(self.run_dir / WANDB_STEP_FILE, f"{self.sent}\n")
-        self.saved, self.saved_at = self.sent, time.monotonic()
 
     def close(self) -> None:
         try:
             self.run.finish()
-        except Exception:
-            # its helper process (wandb-core) is gone: a SIGTERM to every process of a SLURM job ends it.
-            # Ending wandb's side of the connection now keeps its exit hook from printing a traceback
-            # at the end of the job's log, under the tracker's one warning
-            teardown_wandb_quietly()
-            raise
         finally:
-            if self.sent != self.saved:
-                self._save_step()
+            # wandb's helper process (wandb-core) outlives finish() until wandb's exit hook ends it; a
+            # requeue's SIGTERM to every process of the job would end it first, and the hook would print a
+            # traceback. Ended now: after a clean finish, or once a SIGTERM already took it (the
+            # tracker's one warning says so), nothing is left for the hook to trip on
+            teardown_wandb_quietly()
+        # Only now is what was logged written: a step file saved earlier could claim steps a killed
+        # helper never wrote, and the resumed job would never send them. Claiming too few costs
+        # nothing: W&B drops a step below one it has.
+        if self.sent > self.floor:
+            write_text_atomic(self.run_dir / WANDB_STEP_FILE, f"{self.sent}\n")
 
 
 def teardown_wandb_quietly() -> None:

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from wandb_files import wandb_history
 
 pytestmark = pytest.mark.slurm
 
@@ -74,6 +75,9 @@ def test_train_two_ranks_through_sbatch(slurm):
 def test_preempt_signal_requeue_resume_equals_uninterrupted(slurm):
     doc = slurm.tiny_train(max_steps=120)
     doc["checkpoint"] = {"every_steps": 50, "keep": 2}
+    # W&B offline too: the stop closes it before the requeue's SIGTERM reaches its helper process
+    doc["track"] = {"wandb": {"project": "hpcgpu-tests"}, "every_steps": 5}
+    doc["env"] = {f"WANDB_{name}_DIR": str(slurm.tmp / f"wandb-{name.lower()}") for name in ("CONFIG", "CACHE", "DATA")}
     spec = slurm.write_spec(doc)
     baseline = run_local(slurm, spec)
 
@@ -97,6 +101,13 @@ def test_preempt_signal_requeue_resume_equals_uninterrupted(slurm):
     # the interrupted-and-resumed run is the uninterrupted one, bit for bit (CPU)
     assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)
     assert_same_weights(run_dir, baseline)
+
+    # W&B has every tracked step once: the interrupted job's up to its stop, the resumed job's after it
+    first, second = (wandb_history(f) for f in sorted(run_dir.glob("wandb/offline-run-*/*.wandb")))
+    tracked = [1, *range(5, 121, 5)]
+    assert [row["_step"] for row in first] == [s for s in tracked if s <= stop["step"]], out
+    assert [row["_step"] for row in first + second] == tracked
+    assert "Traceback" not in out
 
 
 def test_requeue_cap_stops_a_job_signalled_over_and_over(slurm):

@@ -559,6 +559,7 @@ def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int,
     reason = stop_reason(spec, ctx.env)
     metrics.write("stop", rows=rows_done, reason=reason, restart_count=ctx.env.restart_count)
     log.info(f"{describe_stop(reason)}: stopped with {rows_done} rows written {how}")
+    metrics.close_trackers()  # before the requeue's SIGTERM reaches W&B's helper process
     requeue(ctx.env, spec, reason)
     return EXIT_STOPPED
 

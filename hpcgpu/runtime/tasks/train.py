@@ -869,6 +869,7 @@ def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how:
     reason = stop_reason(spec, ctx.env)
     metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)
     log.info(f"{describe_stop(reason)}: stopped at step {tr.step} {how}")
+    metrics.close_trackers()  # before the requeue's SIGTERM reaches W&B's helper process
     requeue(ctx.env, spec, reason)
     return EXIT_STOPPED
 
