@@ -226,10 +226,11 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
         lines = tail_lines(log_files(job, task, failure.rank)[0])
         return _described(replace(failure, message=failure.message or last_line(lines)))
     out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
+    attempt = f"{unit_id}.{unit.restarts}"
     failure = recorded_failure(Path(unit.run_dir), unit_id, unit.restarts)
     srun = first_failed_task(err_lines) or first_failed_task(out_lines)
-    if failure is None and srun is not None:
-        failure = Failure(f"{unit_id}.{unit.restarts}", srun.rank, srun.node, srun.exit_code, "", time.time())
+    if srun is not None and (failure is None or killed_before(srun, failure, Path(unit.run_dir), attempt)):
+        failure = Failure(attempt, srun.rank, srun.node, srun.exit_code, "", time.time())
     if failure is None:
         line = last_line(err_lines, rank=None)  # the batch script's own: a setup line that failed
         how = "no exit code known" if unit.exit_code is None else f"exit code {unit.exit_code}"
@@ -239,6 +240,14 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
         message = srun.how  # "Out Of Memory", "Killed": better than nothing
     node = failure.node or (srun.node if srun is not None and srun.rank == failure.rank else "")
     return _described(replace(failure, message=message, node=node))
+
+
+def killed_before(srun: TaskEnd, recorded: Failure, run_dir: Path, attempt: str) -> bool:
+    """srun saw another rank end first, killed outright (SIGKILL: the OOM killer, a node problem) and so
+    without a record of its own: the recorded failure is a peer's error in a collective after it."""
+    if srun.rank == recorded.rank or srun.exit_code != 128 + signal.SIGKILL:
+        return False
+    return not any(f.rank == srun.rank for f in read_failures(run_dir, attempt))
 
 
 def _described(failure: Failure) -> tuple[dict[str, Any], str]:

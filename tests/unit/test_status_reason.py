@@ -276,3 +276,23 @@ def test_a_stale_copy_of_a_local_job_that_has_ended_takes_its_recorded_result(tm
     killed = registry.add(JobRecord("", "exp", "/s.yaml", str(run_dir), "local", state="RUNNING", pid=2**22 + 7))
     jobs_mod.refresh(registry, [killed])  # no word from the executor: it was killed
     assert registry.find(killed.job_id)[0].state == "FAILED"
+
+
+# rank 1 SIGKILLed mid-run (the OOM killer, `kill -9`): it writes no record; rank 0 then fails in its
+# all-reduce and records that
+KILLED_THEN_PEER_ERR = """\
+srun: error: n1: task 1: Killed
+srun: launch/slurm: _step_signal: Terminating StepId=7.0
+0: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5845: Connection reset by peer
+srun: error: n1: task 0: Exited with exit code 1
+"""
+
+
+def test_a_rank_killed_outright_is_the_failure_not_the_peer_that_recorded_its_error(tmp_path, env):
+    run_dir = slurm_job(tmp_path)
+    (run_dir / "slurm-7.err").write_text(KILLED_THEN_PEER_ERR)
+    record_failure(run_dir, failure(0, "n1", 1, message="RuntimeError: [gloo] Read error: Connection reset by peer"))
+    env["7"] = JobInfo("7", "FAILED", nodes="n1", exit_code=1)
+    view = cli_json("status", "7")
+    assert view["failure"]["rank"] == 1 and view["failure"]["signal"] == "SIGKILL", view
+    assert view["reason"].startswith("rank 1 on n1 failed with exit code 137 (SIGKILL)"), view["reason"]
