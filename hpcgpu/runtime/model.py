@@ -35,7 +35,7 @@ def build_model(spec: Spec, seed: int, device: torch.device | None = None, *,
                 spec.model.name_or_path, dtype=dtype or torch.float32, **kwargs))
         except torch.OutOfMemoryError:
             raise
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        except load_errors() as exc:
             raise cannot_load(spec, exc) from None
     config = config_of_spec(spec)
     with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -51,6 +51,17 @@ def name_its_loss(model: Any) -> Any:
     if getattr(model, "loss_type", "") is None:
         model.loss_type = "ForCausalLM"
     return model
+
+
+def load_errors() -> tuple[type[BaseException], ...]:
+    """What from_pretrained raises for a model folder that does not load: a missing or bad file, and
+    weights that do not read (a truncated download: safetensors' error, or torch's unpickling)."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return (OSError, ValueError, KeyError, RuntimeError, ImportError, EOFError, pickle.UnpicklingError,
+            SafetensorError)
 
 
 def cannot_load(spec: Spec, exc: BaseException) -> HpcgpuError:
@@ -139,7 +150,7 @@ def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap
         return AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, **kwargs).eval()
     except torch.OutOfMemoryError:
         raise
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+    except load_errors() as exc:
         raise cannot_load(spec, exc) from None
 
 

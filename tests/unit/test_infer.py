@@ -154,6 +154,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     notok.mkdir()
     for f in ("config.json", "model.safetensors"):
         (notok / f).write_bytes((model_dir / f).read_bytes())
+    truncated = base / "truncated"  # a download cut short: its weights file ends after 1000 bytes
+    truncated.mkdir()
+    for f in model_dir.iterdir():
+        (truncated / f.name).write_bytes(f.read_bytes()[:1000] if f.name == "model.safetensors" else f.read_bytes())
     score_rows = [{"id": i, "text": prompt(i) + " " + prompt(i + 3)} for i in range(20)] + [{"id": 20, "text": ""}]
     chat_rows = [{"id": "c0", "messages": [{"role": "user", "content": "alpha beta"}]},
                  {"id": "c1", "prompt": "gamma delta"},
@@ -175,6 +179,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
                            resources={"gpus": 1}, infer={"max_new_tokens": 6}),
         "nochat": infer_spec("nochat", write_input(base, "nochat.jsonl", chat_rows), resources={"gpus": 1}),
         "notok": infer_spec("notok", data, model={"name_or_path": str(notok)}, resources={"gpus": 1}),
+        "truncated": infer_spec("truncated", data, model={"name_or_path": str(truncated)}),
         "crash": infer_spec("crash", data, env={"PYTHONPATH": str(base / "crashing")}),
     }
     (base / "crashing").mkdir()
@@ -182,6 +187,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     for key in ("score", "chat"):
         specs[key]["model"].pop("config")
     specs["notok"]["model"].pop("config")
+    specs["truncated"]["model"].pop("config")
     folders = {key: tmp_path_factory.mktemp(key) for key in specs}
     paths = {key: write_spec_file(folders[key], spec) for key, spec in specs.items()}
     signal_at = {"stopA": "2:1", "stopB": "3:0"}
@@ -368,6 +374,10 @@ def test_bad_inputs_are_one_line_and_exit_2(world: dict) -> None:
     assert "chat template" in text and "nochat.jsonl:1" in text and "Traceback" not in text
     text = ok(world["results"]["notok"], 2)  # refused by submit's own check, else by the job
     assert "tokenizer" in text and "notok" in text and "Traceback" not in text
+    text = ok(world["results"]["truncated"], 2)  # weights that do not read: one line for both ranks
+    errors = [line for line in text.splitlines() if "hpcgpu: error: model.name_or_path: cannot load" in line]
+    assert len(errors) == 1 and "truncated" in errors[0], text
+    assert "Traceback" not in text
     from hpcgpu.runtime.tasks.infer import load_infer_tokenizer  # the job's check, for a folder that got past
 
     with pytest.raises(HpcgpuError, match="no usable tokenizer"):
