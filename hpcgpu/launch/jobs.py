@@ -542,9 +542,12 @@ def wait_for(registry: Registry, jobs: list[JobRecord], say: Callable[[str], Non
 
 
 def exit_status(jobs: list[JobRecord]) -> int:
-    """0 when every job (every array task) completed; else the first failure's exit code, or 1."""
+    """0 when every job (every array task) completed; else the first failure's exit code, or 1. The
+    code of the rank that failed first where status knows it (as the local executor returns it), not
+    the batch step's: that is often 143, a rank srun ended after another failed."""
     for job in jobs:
         for unit in units_of(job):
             if unit.state != "COMPLETED":
-                return unit.exit_code or 1
+                failed = (unit.failure or {}).get("exit_code")
+                return failed if isinstance(failed, int) and failed else unit.exit_code or 1
     return 0

@@ -161,6 +161,10 @@ def test_array_state_and_exit_status():
     assert exit_status([job]) == 3
     assert exit_status([JobRecord("2", "n", "s", "/", "slurm", state="COMPLETED")]) == 0
     assert exit_status([JobRecord("2", "n", "s", "/", "slurm", state="TIMEOUT")]) == 1
+    # rank 1 failed with 3 and srun ended rank 0 (143): `submit --wait` exits 3, as the local executor does
+    torn = JobRecord("3", "n", "s", "/", "slurm", state="FAILED", exit_code=143,
+                     failure={"rank": 1, "node": "n1", "exit_code": 3, "signal": None, "message": "boom"})
+    assert exit_status([torn]) == 3
 
 
 def test_last_progress_reads_the_last_train_record(tmp_path):
