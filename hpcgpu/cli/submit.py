@@ -28,7 +28,8 @@ def say(message: str) -> None:
               help="Sweep a spec key over values (grid with the spec's sweep:); one job array. Repeatable.")
 @click.option("--dry-run", is_flag=True, help="Print the resolved spec and the script that would be submitted; "
                                               "submit nothing.")
-@click.option("--wait", is_flag=True, help="SLURM: wait for the job and exit with its status (the code of the rank that failed first).")
+@click.option("--wait", is_flag=True,
+              help="SLURM: wait for the job and exit with its status (the code of the rank that failed first).")
 @click.option("--new", "fresh", is_flag=True,
               help="Local executor: start a fresh run dir instead of resuming an unfinished run of the same spec.")
 @ignore_busy_option
