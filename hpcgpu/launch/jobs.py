@@ -231,6 +231,8 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
     srun = first_failed_task(err_lines) or first_failed_task(out_lines)
     if srun is not None and (failure is None or killed_before(srun, failure, Path(unit.run_dir), attempt)):
         failure = Failure(attempt, srun.rank, srun.node, srun.exit_code, "", time.time())
+    if failure is None and unit.exit_code == EXIT_STOPPED:
+        return {}, stopped_not_requeued(out_lines + err_lines, unit_id)
     if failure is None:
         line = last_line(err_lines, rank=None)  # the batch script's own: a setup line that failed
         how = "no exit code known" if unit.exit_code is None else f"exit code {unit.exit_code}"
@@ -240,6 +242,16 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
         message = srun.how  # "Out Of Memory", "Killed": better than nothing
     node = failure.node or (srun.node if srun is not None and srun.rank == failure.rank else "")
     return _described(replace(failure, message=message, node=node))
+
+
+def stopped_not_requeued(lines: list[str], unit_id: str) -> str:
+    """A run that stopped at a checkpoint (exit 75) and was not requeued (the cap, slurm.requeue false):
+    SLURM calls it FAILED; the reason says why it stayed stopped, in rank 0's words, and how to go on."""
+    line = next((line for line in reversed(lines) if "not requeuing" in line), "")
+    labelled = RANK_LABEL.match(line)
+    why = re.sub(r"^\d\d:\d\d:\d\d \[rank \d+\] ", "", (labelled.group(2) if labelled else line).strip())
+    return ("stopped at a checkpoint and not requeued" + (f" ({why})" if why else "")
+            + f"; `scontrol requeue {unit_id}` goes on from it")
 
 
 def killed_before(srun: TaskEnd, recorded: Failure, run_dir: Path, attempt: str) -> bool:

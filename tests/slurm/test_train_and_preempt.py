@@ -133,6 +133,13 @@ def test_requeue_cap_stops_a_job_signalled_over_and_over(slurm):
     assert "requeue cap reached" in out
     stops = [r for r in slurm.metrics(run_dir) if r["kind"] == "stop"]
     assert len(stops) == 2 and not (run_dir / "FINISHED").exists()
+    # what `hpcgpu status` advises for such a job: requeued by hand, it goes on from its last checkpoint
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    slurm.wait_for(lambda: restarts_seen() == 2, timeout=180, what="the job requeued by hand to resume")
+    resume = [r for r in slurm.metrics(run_dir) if r["kind"] == "resume"][-1]
+    assert resume["step"] == stops[-1]["step"]
+    subprocess.run(["scancel", job], check=True)
+    wait_settled(slurm, job, timeout=180)
     assert (run_dir / "checkpoints" / f"step-{stops[-1]['step']:08d}" / "COMPLETE").exists()
 
 

@@ -296,3 +296,14 @@ def test_a_rank_killed_outright_is_the_failure_not_the_peer_that_recorded_its_er
     view = cli_json("status", "7")
     assert view["failure"]["rank"] == 1 and view["failure"]["signal"] == "SIGKILL", view
     assert view["reason"].startswith("rank 1 on n1 failed with exit code 137 (SIGKILL)"), view["reason"]
+
+
+def test_a_run_stopped_at_its_requeue_cap_says_so_not_exit_code_75(tmp_path, env):
+    run_dir = slurm_job(tmp_path)
+    (run_dir / "slurm-7.out").write_text(
+        "0: 10:00:01 [rank 0] timeout: stopped at step 40 with a checkpoint\n"
+        "0: 10:00:01 [rank 0] timeout: requeue cap reached (1 of slurm.max_requeues=1); not requeuing\n")
+    env["7"] = JobInfo("7", "FAILED", restarts=1, nodes="n1", exit_code=75)
+    assert cli_json("status", "7")["reason"] == (
+        "stopped at a checkpoint and not requeued (timeout: requeue cap reached (1 of slurm.max_requeues=1); "
+        "not requeuing); `scontrol requeue 7` goes on from it")
