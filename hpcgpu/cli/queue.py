@@ -94,8 +94,12 @@ def point_entry(where: str, line: int, spec_path: Path, params: dict, spec: Spec
 def read_entries(queue_file: Path) -> list[QueueEntry]:
     try:
         lines = queue_file_lines(queue_file)
-    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as exc:
-        raise UsageError(f"queue file {queue_file}: {exc.__class__.__name__}") from None
+    except FileNotFoundError:
+        raise UsageError(f"queue file {queue_file}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"queue file {queue_file}: a folder, not a file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"queue file {queue_file}: not text (UTF-8)") from None
     if not lines:
         raise UsageError(f"queue file {queue_file} names no job (one `SPEC [--gpus N] [--set K=V]` per line)")
     return [entry for no, text in lines for entry in parse_line(queue_file, no, text)]
@@ -110,6 +114,20 @@ def pool_thresholds(entries: list[QueueEntry], memory_pct: float | None, util_pc
                           th.util_pct if util_pct is None else util_pct, th.processes)
 
 
+def gpu_ids_as_given(gpus: str) -> list[str]:
+    """--gpus without NVML to check it against: indexes or GPU UUIDs, each once (they become the jobs'
+    CUDA_VISIBLE_DEVICES)."""
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    bad = [g for g in ids if not (g.isdigit() or g.startswith(("GPU-", "MIG-")))]
+    if not ids:
+        raise UsageError(f"--gpus {gpus!r}: no GPU named")
+    if bad:
+        raise UsageError(f"--gpus {gpus}: GPU indexes (0,1) or UUIDs (GPU-...), comma-separated; not {', '.join(bad)}")
+    if len(set(ids)) < len(ids):
+        raise UsageError(f"--gpus {gpus}: a GPU named twice")
+    return ids
+
+
 def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThresholds(), free_checks: int = 3
              ) -> tuple[GpuPool, list[str]]:
     """The GPUs the queue may use and notes about the busy ones (waiting until free, or used with
@@ -122,8 +140,8 @@ def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThres
         return GpuPool(None), []  # GPUs hidden on purpose: the CPU it is
     source = default_source()
     if not source.available():
-        if gpus:  # trusted as given: nothing here to check them against
-            return GpuPool([g.strip() for g in gpus.split(",") if g.strip()]), []
+        if gpus:  # nothing here to check them against but their form
+            return GpuPool(gpu_ids_as_given(gpus)), []
         return GpuPool(None), []
     readings = source.read(processes=True)  # the first reading: the watch goes on from it
     chosen, why = select(readings, gpus, None if gpus else os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -351,3 +351,17 @@ def test_retries_run_a_failed_job_again_in_its_run_dir(tmp_path):
     # the retry resumed the run dir the failed attempt left (even on a --new line)
     assert f"flaky: started (attempt 2 of 3) on GPU " in err and f"resuming {flaky['RUN_DIR']}" in err
     assert len(list((tmp_path / "runs" / "flaky").iterdir())) == 1
+
+
+def test_gpus_without_nvml_must_be_indexes_or_uuids_each_once(tmp_path: Path, monkeypatch) -> None:
+    """Without NVML nothing checks --gpus against real GPUs, so its form is checked: the ids become the
+    jobs' CUDA_VISIBLE_DEVICES. And a queue file that is not there is said in words."""
+    from hpcgpu.cli.queue import gpu_ids_as_given, read_entries
+    from hpcgpu.errors import UsageError
+
+    assert gpu_ids_as_given("0, 3,GPU-8a3d5c21") == ["0", "3", "GPU-8a3d5c21"]
+    for bad, says in [("abc", "not abc"), ("-1", "not -1"), ("0,0", "a GPU named twice"), (",", "no GPU named")]:
+        with pytest.raises(UsageError, match=says):
+            gpu_ids_as_given(bad)
+    with pytest.raises(UsageError, match="no such file"):
+        read_entries(tmp_path / "nofile.txt")
