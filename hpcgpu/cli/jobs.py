@@ -15,7 +15,7 @@ import click
 from hpcgpu.cli.table import format_table
 from hpcgpu.errors import UsageError
 from hpcgpu.launch.jobs import cancel as cancel_job
-from hpcgpu.launch.jobs import RANK_LABEL, is_final, last_progress, log_files, refresh
+from hpcgpu.launch.jobs import RANK_LABEL, find_job, is_final, last_progress, log_files, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
 
@@ -160,7 +160,7 @@ def status(job_ref: str | None, as_json: bool) -> None:
     """State, elapsed time, nodes, restarts and last step/loss of JOB (or of every active job)."""
     registry = Registry()
     if job_ref:
-        job, task = registry.find(job_ref)
+        job, task = find_job(registry, job_ref)
         refresh(registry, [job])
         view = job_view(job)
         if task is not None:
@@ -208,7 +208,7 @@ def show_jobs(registry: Registry, jobs: list, as_json: bool, empty: str) -> None
 def logs(job_ref: str, follow: bool, rank: int | None) -> None:
     """Print JOB's output: slurm-<id>.out/.err in its run dir, or a local job's logs/rank-N.log."""
     registry = Registry()
-    job, task = registry.find(job_ref)
+    job, task = find_job(registry, job_ref)
     if job.is_array and task is None:
         raise UsageError(f"job {job.job_id} is an array of {len(job.tasks)} tasks: name one, "
                          f"e.g. hpcgpu logs {job.tasks[0].id}")
@@ -271,5 +271,5 @@ def print_new(offsets: dict[Path, int], emit: Callable[[str], str] = lambda text
 def cancel(job_ref: str) -> None:
     """Cancel JOB: a SLURM job, one array task (123_4), a whole array (123) or a local job."""
     registry = Registry()
-    job, task = registry.find(job_ref)
+    job, task = find_job(registry, job_ref)
     click.echo(cancel_job(registry, job, task, job_ref))

@@ -18,7 +18,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.contract import EXIT_STOPPED, Failure, is_finished, read_failures
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import (FINAL_STATES, JobInfo, cancel_jobs, format_duration, knows_job, parse_duration,
-                                     query_jobs)
+                                     query_jobs, run_scheduler)
 
 ACTIVE_ORDER = ("RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "PENDING", "SUSPENDED")
 # Final in SLURM's words, yet SLURM (PreemptMode=REQUEUE, a node coming back) or our own rank 0 may
@@ -101,6 +101,38 @@ def needs_query(job: JobRecord) -> bool:
     units = units_of(job)
     return any(not is_final(u.state) or (u.state in REVIVABLE and time.time() - job.updated < REVIVE_WINDOW_S)
                for u in units)
+
+
+def find_job(registry: Registry, ref: str) -> tuple[JobRecord, TaskRecord | None]:
+    """A job by the id the user typed; a SLURM job the registry lacks because it was started with plain
+    `sbatch` from a script `hpcgpu sbatch` wrote is added (adopted) while SLURM still lists it: its
+    output file lies in an hpcgpu run dir (spec.yaml and job.sbatch beside it)."""
+    try:
+        return registry.find(ref)
+    except HpcgpuError as missing:
+        record = adopt_sbatch_job(ref.strip())
+        if record is None:
+            raise missing from None
+        registry.add(record)
+        return registry.find(ref)
+
+
+def adopt_sbatch_job(job_id: str) -> JobRecord | None:
+    """The registry record of a plain-`sbatch` job of an hpcgpu run dir, from `scontrol show job`; None
+    when SLURM does not know the job, or it is not one of ours (arrays are left to `hpcgpu submit`)."""
+    if not job_id.isdigit():
+        return None
+    try:
+        done = run_scheduler(["scontrol", "show", "job", "-o", job_id])
+    except HpcgpuError:
+        return None
+    fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout)) if done.returncode == 0 else {}
+    run_dir = Path(fields.get("StdOut", "")).parent
+    if fields.get("JobId") != job_id or fields.get("ArrayJobId") or not fields.get("StdOut") \
+            or not (run_dir / "spec.yaml").is_file() or not (run_dir / "job.sbatch").is_file():
+        return None
+    return JobRecord(job_id, fields.get("JobName", ""), str(run_dir / "spec.yaml"), str(run_dir), "slurm",
+                     state=fields.get("JobState", "PENDING"))
 
 
 def refresh(registry: Registry, jobs: list[JobRecord]) -> list[JobRecord]:

@@ -46,6 +46,23 @@ def test_two_gpus_one_node(slurm):
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
 
 
+def test_a_job_started_with_plain_sbatch_is_known_to_status_logs_and_cancel(slurm):
+    """The script's own comment sends the user to `hpcgpu logs JOB --rank 1`: a job the registry lacks
+    is looked up in SLURM and adopted when its output lies in an hpcgpu run dir."""
+    spec = dump_spec(slurm, command=["python3", "-c", "import os, time; print('hello from', os.environ['RANK'], "
+                                     "flush=True); time.sleep(60)"])
+    script, run_dir = slurm.render(spec, "--gpus", "2")
+    job = slurm.sbatch(script)
+    slurm.wait_for(lambda: "hello from 1" in slurm.job_output(run_dir, job), timeout=120, what="rank 1's line")
+    view = json.loads(slurm.hpcgpu("status", job, "--json").stdout)
+    assert view["state"] == "RUNNING" and view["run_dir"] == str(run_dir), view
+    assert slurm.hpcgpu("logs", job, "--rank", "1").stdout.splitlines()[-1] == "hello from 1"
+    slurm.hpcgpu("cancel", job)
+    assert slurm.wait(job, timeout=120)["JobState"] == "CANCELLED"
+    missing = slurm.hpcgpu("status", "999999", check=False)
+    assert missing.returncode == 2 and "no job '999999'" in missing.stderr
+
+
 def test_two_nodes_four_ranks(slurm):
     script, run_dir = slurm.render(dump_spec(slurm), "--gpus", "2", "--nodes", "2")
     job = slurm.sbatch(script)
