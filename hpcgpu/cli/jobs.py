@@ -13,7 +13,7 @@ from typing import Any, Callable
 import click
 
 from hpcgpu.cli.table import format_table
-from hpcgpu.errors import UsageError
+from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch.jobs import cancel as cancel_job
 from hpcgpu.launch.jobs import RANK_LABEL, find_job, is_final, last_progress, log_files, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
@@ -212,6 +212,8 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
     if job.is_array and task is None:
         raise UsageError(f"job {job.job_id} is an array of {len(job.tasks)} tasks: name one, "
                          f"e.g. hpcgpu logs {job.tasks[0].id}")
+    if rank is not None:
+        check_rank(job_ref, Path((task or job).run_dir), rank)
     files = log_files(job, task, rank)
     if not any(p.exists() for p in files) and not follow:
         state = (task or job).state
@@ -232,6 +234,19 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
                 print_new(offsets, emit, whole_lines=True)
     except KeyboardInterrupt:
         return
+
+
+def check_rank(job_ref: str, run_dir: Path, rank: int) -> None:
+    """--rank names a rank the job has (its resolved spec says how many), else one line: a rank it
+    does not have would print nothing at all (SLURM) or wait for a log that never comes."""
+    from hpcgpu.spec import load_spec
+
+    try:
+        ranks = load_spec(str(run_dir / "spec.yaml")).world_size
+    except (HpcgpuError, OSError):
+        return  # no spec to tell: the logs say what they have
+    if rank >= ranks:
+        raise UsageError(f"--rank {rank}: job {job_ref} has {ranks} rank(s), 0-{ranks - 1}")
 
 
 def only_rank(text: str, rank: int) -> str:

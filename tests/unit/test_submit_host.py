@@ -297,6 +297,9 @@ def test_status_list_logs_cancel_of_local_jobs(tmp_path):
     assert "local-1" in listing.stdout and "FAILED" in listing.stdout and "2.5000" in listing.stdout
     assert hpcgpu("logs", "local-1", env=env).stdout == "hello from rank 0\n"
     assert hpcgpu("logs", "local-1", "--rank", "1", env=env).stdout == "hello from rank 1\n"
+    (run_dir / "spec.yaml").write_text((CONFIGS / "hello-command.yaml").read_text())  # 2 ranks
+    done = hpcgpu("logs", "local-1", "--rank", "5", env=env)
+    assert done.returncode == 2 and done.stderr == "hpcgpu: error: --rank 5: job local-1 has 2 rank(s), 0-1\n"
     done = hpcgpu("cancel", "local-1", env=env)
     assert done.returncode == 0 and "not running" in done.stdout
     done = hpcgpu("status", "nope", env=env)
