@@ -18,7 +18,8 @@ from hpcgpu.spec.derive import fixed_max_steps
 def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, full: bool) -> None:
     """Check SPEC and print what it resolves to."""
     spec = read_spec(spec_file, overrides, gpus, nodes)
-    check_host(spec)  # input files, model type, runs_dir: what the job would fail on, found here
+    # input files, model type, runs_dir: what the job would fail on, found here
+    check_host(spec, warn=lambda message: click.echo(f"hpcgpu: {message}", err=True))
     tasks = sweep_tasks(spec)
     if tasks:
         check_one_script(tasks)  # as `submit` to SLURM would refuse it: one job array shares one script

@@ -474,6 +474,10 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
         problem = runs_dir_problem(next(one for one in specs if one.runs_dir == runs_dir))
         if problem:
             raise SpecError("runs_dir", f"{problem}; set runs_dir to a folder you can write")
+    untracked = next((one.task for one in specs if one.task in ("command", "callable") and (
+        one.track.tensorboard or (one.track.wandb is not None and one.track.wandb.mode != "disabled"))), None)
+    if untracked and warn:
+        warn(f"warning: track: task: {untracked} has no trackers (your program logs its own); it is ignored")
     login = next((p for p in (wandb_login_problem(one, environ) for one in specs) if p), None)
     if login and passthrough == "error":  # like env_passthrough: what the job takes from this shell
         raise SpecError("", login)

@@ -508,3 +508,11 @@ def test_a_hub_id_missing_from_the_cache_is_one_line_here_and_in_the_job(tmp_pat
     assert "hpcgpu: error: model.name_or_path: 'nothere/xx' is not a folder, and as a hub id it is not in this " \
            "node's Hugging Face cache" in job.stderr
     assert "Retrying" not in job.stderr + job.stdout and "Traceback" not in job.stderr
+
+
+def test_trackers_on_a_command_task_are_a_warning_not_silence(tmp_path):
+    done = hpcgpu("validate", str(CONFIGS / "hello-command.yaml"), "--set", "track.tensorboard=true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ("hpcgpu: warning: track: task: command has no trackers (your program logs its own); "
+                           "it is ignored\n")
+    assert hpcgpu("validate", str(CONFIGS / "hello-command.yaml"), cwd=tmp_path).stderr == ""
