@@ -18,7 +18,7 @@ from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, busy_warnings, select
 from hpcgpu.gpu.estimate import fmt_bytes
 from hpcgpu.gpu.readings import GpuReading
 from hpcgpu.gpu.source import default_source
-from hpcgpu.gpu.recommend import Recommendation, recommend_for_job
+from hpcgpu.gpu.recommend import Recommendation, loader_workers, recommend_for_job
 from hpcgpu.spec import Spec
 
 GiB = 1 << 30
@@ -48,6 +48,10 @@ def light_model_config(spec: Spec) -> dict[str, Any] | None:
 
 
 def spec_recommendation(spec: Spec, chosen: list[GpuReading]) -> tuple[Recommendation | None, str]:
+    if spec.task == "callable":  # ctx.loader's DataLoader gets the workers hw recommends (runtime/loader.py)
+        workers = loader_workers(spec.resources.cpus_per_gpu)
+        return None, (f"task: callable has no batch or strategy to tune; ctx.loader gives each rank {workers} loader "
+                      f"workers (resources.cpus_per_gpu {spec.resources.cpus_per_gpu} - 1, at most 8)")
     if spec.task != "train":
         return None, f"task: {spec.task} has no batch or strategy to tune"
     cfg = light_model_config(spec)
@@ -105,8 +109,8 @@ def print_text(info: dict[str, Any], chosen: list[GpuReading], th: BusyThreshold
 
 
 def print_recommendation(spec: Spec, rec: Recommendation | None, note: str, chosen: list[GpuReading]) -> None:
-    click.echo(f"Recommended for {spec.name} ({spec.world_size} rank(s), global batch {spec.train.global_batch_size}, "
-               f"seq_len {spec.data.seq_len}):")
+    batch = f", global batch {spec.train.global_batch_size}, seq_len {spec.data.seq_len}" if spec.task == "train" else ""
+    click.echo(f"Recommended for {spec.name} ({spec.world_size} rank(s){batch}):")
     if rec is None:
         click.echo(f"  {note}")
         return

@@ -244,3 +244,10 @@ def test_host_commands_do_not_import_torch(tmp_path, args):
     done = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "HPCGPU_NVML_RECORDED": H100}, timeout=120)
     assert "HEAVY= CODE=0" in done.stderr, done.stderr
+
+
+def test_hw_of_a_callable_spec_gives_its_loader_workers(no_driver):
+    done = hpcgpu("hw", str(REPO / "configs" / "cnn-callable.yaml"), "--set", "resources.cpus_per_gpu=4")
+    assert done.returncode == 0, done.stderr
+    assert "Recommended for cnn-callable (2 rank(s)):\n" in done.stdout  # no batch or seq_len it has not
+    assert "ctx.loader gives each rank 3 loader workers (resources.cpus_per_gpu 4 - 1, at most 8)" in done.stdout
