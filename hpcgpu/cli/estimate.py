@@ -100,6 +100,8 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
     spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False)
     if spec.task not in ("train", "infer"):
         raise HpcgpuError(f"task: estimate is for task: train or infer (this spec is task: {spec.task})")
+    if gpu_memory and usable_bytes(parse_size(gpu_memory)) <= 0:  # not above what CUDA itself keeps
+        raise HpcgpuError(f"--gpu-memory {gpu_memory}: no model fits in it; give a GPU's size, like 80G")
     gpu_total, gpu_what = (parse_size(gpu_memory), "--gpu-memory") if gpu_memory else smallest_gpu(
         spec.resources.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if spec.task == "infer":

@@ -104,6 +104,17 @@ def test_parse_size_error_names_the_flag():
 
 # ---------------------------------------------------------------- recommendations
 
+@pytest.mark.parametrize("size", ["0G", "1K"])
+def test_a_gpu_memory_no_model_fits_in_is_one_line(size):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hpcgpu", "estimate", str(Path(__file__).parents[2] / "configs" /
+                           "tiny-gpt2.yaml"), "--gpu-memory", size], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == (f"hpcgpu: error: --gpu-memory {size}: no model fits in it; "
+                                                    "give a GPU's size, like 80G\n"), done.stderr
+
+
 def test_small_model_on_h100_gets_ddp_and_the_largest_dividing_micro_batch():
     rec = recommend(gpt2_dims(), H100_TOTAL, world=2, global_batch=64, cpus_per_gpu=8)
     assert rec.strategy == "ddp" and rec.zero_stage is None and rec.offload == "none"
