@@ -27,6 +27,7 @@ class _LineLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.key_lines: dict[int, dict[str, int]] = {}
         self.duplicates: dict[int, tuple[str, int]] = {}  # mapping id -> (first repeated key, its line)
+        self.plain_text: dict[int, dict[str, str]] = {}  # mapping id -> {key: an unquoted scalar's source text}
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
@@ -42,8 +43,22 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict:
             continue
         out[key] = loader.construct_object(value_node, deep=True)
         lines[str(key)] = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.ScalarNode) and value_node.style is None:
+            loader.plain_text.setdefault(id(out), {})[str(key)] = value_node.value
     loader.key_lines[id(out)] = lines
     return out
+
+
+def _env_as_written(data: Any, plain_text: dict[int, dict[str, str]]) -> None:
+    """env: values are strings as written: YAML 1.1 would make `yes` true, `010` 8 and `0x10` 16, and the
+    ranks would see NCCL_IB_DISABLE=true where the spec said yes."""
+    env = data.get("env") if isinstance(data, dict) else None
+    if not isinstance(env, dict):
+        return
+    written = plain_text.get(id(env), {})
+    for name, value in env.items():
+        if isinstance(value, (bool, int, float)) and str(name) in written:
+            env[name] = written[str(name)]
 
 
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
@@ -64,6 +79,7 @@ def read_yaml(text: str, source: str) -> tuple[Any, LineMap]:
         loader.dispose()
     _collect_lines(data, "", loader.key_lines, lines.lines)
     _reject_duplicates(data, "", loader.duplicates, source)
+    _env_as_written(data, loader.plain_text)
     return data, lines
 
 
@@ -103,6 +119,8 @@ def parse_override(item: str) -> tuple[str, Any]:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text  # an unparseable value is taken as the literal string
+    if key.startswith("env.") and isinstance(value, (bool, int, float)):
+        return key, text.strip()  # an environment value as written (`yes` stays yes), as in the spec file
     return key, value
 
 

@@ -345,6 +345,15 @@ def test_env_names_that_only_resemble_secrets_and_passthrough_that_sbatch_keeps_
     assert listed.env_passthrough == ["A"]
 
 
+def test_env_values_are_the_text_written_not_yaml_11_types(write_spec):
+    """The ranks see what the spec says: YAML 1.1 would make yes true, 010 8 and 0x10 16."""
+    spec = load_spec(write_spec(COMMAND + "env: {A: yes, B: off, C: 010, D: 1e3, E: 0x10, F: 3, G: 'no'}\n"),
+                     ["env.X=yes", "env.Y=010"])
+    assert spec.env == {"A": "yes", "B": "off", "C": "010", "D": "1e3", "E": "0x10", "F": "3", "G": "no",
+                        "X": "yes", "Y": "010"}
+    assert load_spec(write_spec(dump_spec(spec))).env == spec.env  # the resolved spec.yaml keeps them
+
+
 def test_a_secret_set_on_the_command_line_names_the_flag(write_spec):
     msg = load_error(write_spec(COMMAND), ["env.HF_TOKEN=hf_abc"])
     assert msg.startswith("--set env.HF_TOKEN=hf_abc") and "env_passthrough" in msg
