@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -103,8 +104,10 @@ def new_record(spec: Spec, spec_ref: str, run_dir: Path, pid: int | None = None,
     """A local job's registry row; job_id "" -> the registry assigns local-<n> as it inserts it."""
     from hpcgpu.launch.jobs import process_start
 
+    # the node it runs on, as its failure records name it (status shows `-` only for a job holding none)
+    node = socket.gethostname() if state == "RUNNING" else ""
     record = JobRecord("", spec.name, spec_ref, str(run_dir), "local", state=state, pid=pid,
-                       pid_start=process_start(pid) if pid else None)
+                       pid_start=process_start(pid) if pid else None, nodes=node)
     record.gpus = local_gpu_count(spec, environ)
     return record
 
@@ -241,7 +244,7 @@ def executor_started(registry: Registry, record: JobRecord, pid: int) -> None:
     counts as in use from now on."""
     from hpcgpu.launch.jobs import process_start
 
-    registry.update(record, pid=pid, pid_start=process_start(pid), state="RUNNING")
+    registry.update(record, pid=pid, pid_start=process_start(pid), state="RUNNING", nodes=socket.gethostname())
 
 
 def run_registered(registry: Registry, job_id: str, say: Say = _stderr) -> int:

@@ -3,6 +3,7 @@ squeue parsing, sweeps, the array script, the local executor's registry rows, an
 from __future__ import annotations
 
 import json
+import socket
 import os
 import subprocess
 import sys
@@ -345,6 +346,7 @@ def test_local_executor_records_jobs_and_sweeps(tmp_path):
     reg = Registry(db)
     single, sweep = reg.find("local-1")[0], reg.find("local-2")[0]
     assert single.state == "COMPLETED" and single.exit_code == 0 and single.pid and single.ended
+    assert single.nodes == socket.gethostname()  # where it ran: `-` is for a job that holds no node
     assert sweep.state == "COMPLETED" and [t.state for t in sweep.tasks] == ["COMPLETED", "COMPLETED"]
     assert [t.values for t in sweep.tasks] == [{"train.seed": 1}, {"train.seed": 2}]
     assert yaml.safe_load((Path(sweep.tasks[1].run_dir) / "spec.yaml").read_text())["train"]["seed"] == 2
