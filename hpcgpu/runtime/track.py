@@ -32,7 +32,7 @@ Metrics = dict[str, float]
 
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb-run-id"  # one W&B run per run dir, across requeues
-WANDB_STEP_FILE = "wandb-step"  # the highest step W&B wrote (saved at a clean close): a resumed job sends later ones
+WANDB_STEP_FILE = "wandb-step"  # the highest step W&B wrote (at a clean close): a resumed job sends later ones
 
 # metrics.jsonl fields mirrored to the trackers, by record kind: field -> tracker name
 TRAIN_FIELDS = {"loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu",
@@ -100,8 +100,8 @@ class WandbTracker:
         assert settings is not None
         self.run_dir = run_dir
         # W&B refuses steps below the last it has (and adds nothing to one it closed): a resumed job sends
-        # only steps after the highest one sent (kept in the run dir), so the
-        # steps between the last checkpoint and the stop keep the values of their first run
+        # only steps after the highest one an earlier start wrote (kept in the run dir at its clean close),
+        # so the steps between the last checkpoint and the stop keep the values of their first run
         self.floor = read_step(run_dir / WANDB_STEP_FILE)
         self.sent = self.floor
         self.run = wandb.init(
