@@ -76,3 +76,8 @@ def port_for_job(job_id: str | int, step_id: str | int | None = None) -> int:
 
 # The same rule in bash, for the rendered sbatch script (kept next to the Python rule on purpose).
 PORT_SHELL = f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
+
+
+def scontrol_fields(text: str) -> dict[str, str]:
+    """`scontrol show job -o`'s one line as {Key: value} (JobState, Restarts, StdOut, ...)."""
+    return dict(field.split("=", 1) for field in text.split() if "=" in field)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.contract import EXIT_STOPPED, Failure, is_finished, read_failures
+from hpcgpu.hostlist import scontrol_fields
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import (FINAL_STATES, JobInfo, cancel_jobs, format_duration, knows_job, parse_duration,
                                      query_jobs, run_scheduler)
@@ -126,7 +127,7 @@ def adopt_sbatch_job(job_id: str) -> JobRecord | None:
         done = run_scheduler(["scontrol", "show", "job", "-o", job_id])
     except HpcgpuError:
         return None
-    fields = dict(re.findall(r"(\w+)=(\S*)", done.stdout)) if done.returncode == 0 else {}
+    fields = scontrol_fields(done.stdout) if done.returncode == 0 else {}
     run_dir = Path(fields.get("StdOut", "")).parent
     if fields.get("JobId") != job_id or fields.get("ArrayJobId") or not fields.get("StdOut") \
             or not (run_dir / "spec.yaml").is_file() or not (run_dir / "job.sbatch").is_file():
@@ -252,16 +253,17 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
     task = unit if isinstance(unit, TaskRecord) else None
     unit_id = task.id if task else job.job_id
     if job.executor == "local":
-        failure = recorded_failure(Path(unit.run_dir), unit_id, None)
+        failure = latest_recorded_failure(Path(unit.run_dir), unit_id)
         if failure is None:
             return {}, ""  # the executor's own reason ("exit code N") stays
         lines = tail_lines(log_files(job, task, failure.rank)[0])
         return _described(replace(failure, message=failure.message or last_line(lines)))
     out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
     attempt = f"{unit_id}.{unit.restarts}"
-    failure = recorded_failure(Path(unit.run_dir), unit_id, unit.restarts)
+    recorded = read_failures(Path(unit.run_dir), attempt)  # this run's records, oldest first
+    failure = recorded[0] if recorded else None
     srun = first_failed_task(err_lines) or first_failed_task(out_lines)
-    if srun is not None and (failure is None or killed_before(srun, failure, Path(unit.run_dir), attempt)):
+    if srun is not None and (failure is None or killed_first(srun, recorded)):
         failure = Failure(attempt, srun.rank, srun.node, srun.exit_code, "", time.time())
     if failure is None and unit.exit_code == EXIT_STOPPED:
         return {}, stopped_not_requeued(out_lines + err_lines, unit_id)
@@ -286,12 +288,10 @@ def stopped_not_requeued(lines: list[str], unit_id: str) -> str:
             + f"; `scontrol requeue {unit_id}` goes on from it")
 
 
-def killed_before(srun: TaskEnd, recorded: Failure, run_dir: Path, attempt: str) -> bool:
-    """srun saw another rank end first, killed outright (SIGKILL: the OOM killer, a node problem) and so
-    without a record of its own: the recorded failure is a peer's error in a collective after it."""
-    if srun.rank == recorded.rank or srun.exit_code != 128 + signal.SIGKILL:
-        return False
-    return not any(f.rank == srun.rank for f in read_failures(run_dir, attempt))
+def killed_first(srun: TaskEnd, recorded: list[Failure]) -> bool:
+    """srun saw a rank end first killed outright (SIGKILL: the OOM killer, a node problem), so without a
+    record of its own among the run's: the recorded failures are peers' errors in a collective after it."""
+    return srun.exit_code == 128 + signal.SIGKILL and all(f.rank != srun.rank for f in recorded)
 
 
 def _described(failure: Failure) -> tuple[dict[str, Any], str]:
@@ -304,12 +304,11 @@ def _described(failure: Failure) -> tuple[dict[str, Any], str]:
     return fields, failure.describe()
 
 
-def recorded_failure(run_dir: Path, unit_id: str, restarts: int | None) -> Failure | None:
-    """The first failure the ranks recorded in this unit's run `restarts` (SLURM), or in its latest
-    attempt that recorded one (local); an older run's record never speaks for this one."""
+def latest_recorded_failure(run_dir: Path, unit_id: str) -> Failure | None:
+    """The first failure the ranks recorded in this local job's latest attempt that recorded one (a
+    SLURM run reads its own attempt's: failure_of); an older attempt's record never speaks for it."""
     mine = [f for f in read_failures(run_dir) if f.attempt.startswith(f"{unit_id}.")]
-    attempt = f"{unit_id}.{restarts}" if restarts is not None else (mine[-1].attempt if mine else "")
-    return next((f for f in mine if f.attempt == attempt), None)
+    return next((f for f in mine if f.attempt == mine[-1].attempt), None)
 
 
 def tail_lines(path: Path, max_bytes: int = LOG_TAIL_BYTES) -> list[str]:

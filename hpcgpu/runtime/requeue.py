@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from hpcgpu.hostlist import scontrol_fields
 from hpcgpu.contract import ENV_JOB_START, Failure, attempt_id, batch_signals, read_failures, write_finished
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.spec import Spec
@@ -148,7 +149,7 @@ def job_view(target: str) -> tuple[str | None, int | None]:
                              timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None, None
-    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    fields = scontrol_fields(out)
     restarts = fields.get("Restarts", "")
     return fields.get("JobState"), int(restarts) if restarts.isdigit() else None
 
