@@ -23,8 +23,8 @@ from hpcgpu.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hpcgpu.errors import HpcgpuError
 
 __all__ = ["Batch", "BatchSchedule", "Blocks", "ByteTokenizer", "DataPosition", "ExampleBlocks", "TokenBlocks",
-           "Tokenizer", "causal_lm_loss", "eval_batches", "load_blocks", "load_tokenizer", "pack_examples",
-           "read_texts", "tokenize"]
+           "Tokenizer", "causal_lm_loss", "causal_lm_loss_sum", "eval_batches", "load_blocks", "load_tokenizer",
+           "pack_examples", "read_texts", "tokenize"]
 
 log = logging.getLogger("hpcgpu")
 IGNORE = -100  # the label Hugging Face's (and torch's) cross entropy leaves out
@@ -183,12 +183,18 @@ class ExampleBlocks:
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy over the labels that are not -100, as Hugging Face's causal LM
     loss computes it (float32 logits), except that a batch without one such label gives 0, not NaN."""
+    total, count = causal_lm_loss_sum(logits, labels)
+    return total / count.clamp(min=1)
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed next-token cross entropy and the number of labels it counts (those not -100)."""
     # each position's target is the next label, the last position's none: the labels move, not the
     # logits (a [tokens x vocab] copy where this runs uncompiled)
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1).to(logits.device)
     total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets, ignore_index=IGNORE,
                             reduction="sum")
-    return total / (targets != IGNORE).sum().clamp(min=1)
+    return total, (targets != IGNORE).sum()
 
 
 Blocks = Union[TokenBlocks, ExampleBlocks]
@@ -259,11 +265,13 @@ class BatchSchedule:
         self.pos = DataPosition(int(state["epoch"]), int(state["offset"]))
 
 
-def eval_batches(blocks: Union[TokenBlocks, ExampleBlocks, torch.Tensor], micro: int, n_batches: int,
+def eval_batches(blocks: Union[TokenBlocks, ExampleBlocks, torch.Tensor], micro: int, sequences: int,
                  rank: int, world: int) -> Iterator[Union[torch.Tensor, dict[str, torch.Tensor]]]:
-    """A fixed slice of the eval set per rank: the same every time, so eval losses compare."""
-    total = min(len(blocks), micro * n_batches * world)
-    per_rank = total // world
+    """This rank's share of the eval set's first `sequences` blocks, in micro batches (the last may be
+    smaller): the same blocks at every rank count and micro batch, so eval losses compare. Every rank
+    gets as many blocks and batches (ZeRO-3 gathers parameters in each forward, all ranks together);
+    an eval set of fewer blocks is cut to a multiple of the rank count."""
+    per_rank = min(len(blocks), sequences) // world
     first = rank * per_rank
-    for i in range(first, first + per_rank - micro + 1, micro):
-        yield blocks[i: i + micro]
+    for i in range(first, first + per_rank, micro):
+        yield blocks[i: min(i + micro, first + per_rank)]

@@ -249,7 +249,9 @@ class Train:
         min=0))
     log_every: int = field(default=1, metadata=meta("log every N steps", min=1))
     eval_every: int = field(default=0, metadata=meta("eval loss every N steps (0: only at the end)", min=0))
-    eval_batches: int = field(default=4, metadata=meta("micro batches per eval", min=1))
+    eval_batches: int = field(default=4, metadata=meta(
+        "global batches of data.eval per eval: its first eval_batches x global_batch_size sequences, the "
+        "same at every GPU count and micro batch; the loss is per labelled token over all of them", min=1))
     gradient_checkpointing: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
         "recompute each layer's activations in backward (about 30% more compute, far less activation "
         "memory); auto: on only where the memory estimate needs it for the micro batch to fit"))

@@ -94,12 +94,27 @@ def test_fewer_sequences_than_one_global_batch_is_an_error() -> None:
 
 def test_eval_batches_are_fixed_and_disjoint_across_ranks() -> None:
     blocks = torch.arange(40).reshape(20, 2)
-    per_rank = [[b.tolist() for b in eval_batches(blocks, 2, 3, rank, 2)] for rank in range(2)]
-    again = [[b.tolist() for b in eval_batches(blocks, 2, 3, rank, 2)] for rank in range(2)]
+    per_rank = [[b.tolist() for b in eval_batches(blocks, 2, 12, rank, 2)] for rank in range(2)]
+    again = [[b.tolist() for b in eval_batches(blocks, 2, 12, rank, 2)] for rank in range(2)]
     assert per_rank == again
     assert all(len(batches) == 3 for batches in per_rank)
     rows = [tuple(r) for batches in per_rank for b in batches for r in b]
     assert len(rows) == len(set(rows)) == 12
+
+
+@pytest.mark.parametrize("micro, world", [(4, 1), (2, 2), (3, 2), (1, 4), (5, 3)])
+def test_eval_reads_the_same_blocks_at_every_rank_count_and_micro_batch(micro: int, world: int) -> None:
+    blocks = torch.arange(50).reshape(25, 2)
+    shares = [list(eval_batches(blocks, micro, 12, rank, world)) for rank in range(world)]
+    rows = sorted(r for share in shares for b in share for r in b[:, 0].tolist())
+    assert rows == list(range(0, 24, 2))  # the first 12 blocks, each once
+    assert len({len(share) for share in shares}) == 1  # as many forwards on every rank (ZeRO-3)
+
+
+def test_an_eval_set_shorter_than_asked_is_cut_to_a_multiple_of_the_ranks() -> None:
+    blocks = torch.arange(14).reshape(7, 2)
+    shares = [[b.shape[0] for b in eval_batches(blocks, 2, 12, rank, 2)] for rank in range(2)]
+    assert shares == [[2, 1], [2, 1]]
 
 
 def test_byte_tokenizer_round_trip_with_non_ascii() -> None:

@@ -331,7 +331,7 @@ def test_tiny_chat_learns_and_one_and_two_ranks_follow_the_same_loss_curve(
     paths = {key: chat_spec(folders[key], model_dir, **extra) for key in folders}
     evals = ("--set", f"data.eval={CHAT_DATA}")
     results = submit_all({"two": (paths["two"], evals), "one": (paths["one"], ("--gpus", "1", *evals))}, timeout=240)
-    curves = {}
+    curves, final_eval = {}, {}
     for key, proc in results.items():
         assert proc.returncode == 0, f"{key}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         run = only_run_dir(folders[key] / "runs", "tiny-chat")
@@ -341,7 +341,10 @@ def test_tiny_chat_learns_and_one_and_two_ranks_follow_the_same_loss_curve(
         assert (run / "model" / "model.safetensors").exists()
         evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
         assert evals and all(np.isfinite(e["loss"]) for e in evals)
+        final_eval[key] = evals[-1]["loss"]
     two, one = curves["two"], curves["one"]
+    # the same eval sequences, weighted by labelled tokens, whatever the ranks and micro batch
+    assert final_eval["one"] == pytest.approx(final_eval["two"], rel=5e-4), final_eval
     assert len(two) == len(one) == STEPS
     assert two[0] == pytest.approx(np.log(512), abs=0.3)  # a random model over 512 tokens
     assert two[-1] < two[0] - 0.7, f"loss {two[0]:.3f} -> {two[-1]:.3f}: not learning"

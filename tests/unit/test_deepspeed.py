@@ -28,7 +28,7 @@ def doc(runs: Path, strategy: str = "deepspeed", stage: int = 2, offload: bool =
         "model": {"config": {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64,
                              "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0,
                              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}},
-        "data": {"train": str(TEXT), "seq_len": 64},
+        "data": {"train": str(TEXT), "eval": str(TEXT), "seq_len": 64},
         "train": {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": STEPS, "lr": 2e-3,
                   "warmup_steps": 2, "log_every": 1, **train},
         "checkpoint": {"every_steps": 4},
@@ -44,6 +44,11 @@ def submit(tmp: Path, spec: dict, *args: str, env: dict | None = None) -> tuple[
     marker = "unfinished run " if "unfinished run " in proc.stderr else "run dir "
     run_dir = Path(proc.stderr.split(marker)[1].split()[0].rstrip(",")) if marker in proc.stderr else tmp
     return proc, run_dir
+
+
+def final_eval(run_dir: Path) -> float:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if r["kind"] == "eval"][-1]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -85,6 +90,7 @@ def test_zero_trains_and_exports_a_plain_model(zero_runs, key, plain_model_vocab
     assert log[1] == pytest.approx(5.545, abs=0.1)  # ~ln(256): weights initialised right under ZeRO-3 too
     assert log[STEPS] < log[1] - 0.3
     assert plain_model_vocab(run_dir / "model") == 256  # loads and runs without DeepSpeed
+    assert final_eval(run_dir) < log[1] - 0.3  # ZeRO-3's ranks run the eval's forwards in step
 
 
 def test_zero2_follows_the_ddp_loss_curve(zero_runs, ddp_run):
@@ -94,6 +100,7 @@ def test_zero2_follows_the_ddp_loss_curve(zero_runs, ddp_run):
     assert z.keys() == d.keys()
     for step in z:
         assert z[step] == pytest.approx(d[step], rel=1e-4), step
+    assert final_eval(zero_runs["2"]) == pytest.approx(final_eval(ddp_run), rel=1e-4)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

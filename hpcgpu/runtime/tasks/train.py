@@ -45,7 +45,7 @@ from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.collector import StepCollector
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
-    Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, eval_batches, load_blocks, load_tokenizer)
+    Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, causal_lm_loss_sum, eval_batches, load_blocks, load_tokenizer)
 from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
@@ -53,7 +53,7 @@ from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
-from hpcgpu.runtime.steplog import StepLog, ranks_mean
+from hpcgpu.runtime.steplog import StepLog
 from hpcgpu.runtime.strategy import ddp_options, describe_ddp
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
@@ -548,19 +548,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """The eval set's mean cross entropy per labelled token, over train.eval_batches global batches
+        of it: the same number at every rank count and micro batch (a MoE router's loss left out)."""
         if self.eval_blocks is None:
             return None
         self.model.eval()
-        losses = []
-        for batch in eval_batches(self.eval_blocks, self.micro, self.spec.train.eval_batches,
+        # summed loss and labelled tokens, in float64: one all-reduce, then one division
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in eval_batches(self.eval_blocks, self.micro, self.spec.train.eval_batches * self.tp.global_batch,
                                   self.ctx.rank, self.world):
             ids, labels, mask = batch_fields(batch_to(batch, self.device))
-            with self._autocast():  # the step's loss, uncompiled as the raw model is
+            with self._autocast():  # the step's forward, uncompiled as the raw model is
                 out = self.raw_model(input_ids=ids, attention_mask=mask)
-                losses.append(model_loss(out, labels, causal_lm_loss, self.aux_loss_coef))
-        if not losses:
-            return None
-        return float(ranks_mean(torch.stack(losses).mean()).item())
+                total, count = causal_lm_loss_sum(out.logits, labels)
+            sums += torch.stack([total.double(), count.double()])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        total, count = sums.tolist()
+        return total / count if count else None
 
 
 def estimate_text(spec: Spec, plan: RunPlan) -> str:
