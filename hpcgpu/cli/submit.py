@@ -8,7 +8,7 @@ import click
 from hpcgpu.cli.options import ignore_busy_option, read_spec, spec_options
 from hpcgpu.errors import JobFailed
 from hpcgpu.contract import EXIT_STOPPED
-from hpcgpu.launch.jobs import log_files
+from hpcgpu.launch.jobs import log_files, stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry
 from hpcgpu.launch.checks import check_host
 from hpcgpu.launch.replicas import resolve_gpus_per_replica
@@ -143,7 +143,7 @@ def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy:
     if code == EXIT_STOPPED:
         # --new again would start afresh in another run dir: the command that resumes is without it
         again = "the same command without --new" if fresh else "the same command again"
-        click.echo(f"job {job_id} stopped at a checkpoint; run {again} to resume", err=True)
+        click.echo(f"job {job_id} {stop_summary(run_dir)}; run {again} to go on", err=True)
         return code
     if code:
         f = record.failure or {}

@@ -454,6 +454,19 @@ def tail_records(run_dir: str | Path, tail_bytes: int = 65536) -> list[dict]:
     return out
 
 
+def stop_summary(run_dir: str | Path) -> str:
+    """How a run that exited 75 stopped, from its last stop record: a train run stopped before its
+    first step saved nothing (rerunning starts it, not resumes it)."""
+    stop = next((r for r in reversed(tail_records(run_dir)) if r.get("kind") == "stop"), {})
+    if stop.get("saved") is False:
+        return "stopped before its first step, nothing saved"
+    if isinstance(stop.get("step"), int):
+        return f"stopped at step {stop['step']}, at its checkpoint"
+    if isinstance(stop.get("rows"), int):
+        return f"stopped after {stop['rows']} rows, all written"
+    return "stopped at a checkpoint"
+
+
 def steps_per_s(records: list[dict]) -> float | None:
     """Steps per second over the train records since the job last (re)started, eval and checkpoint
     time included: what the remaining steps will take."""

@@ -112,14 +112,16 @@ def new_record(spec: Spec, spec_ref: str, run_dir: Path, pid: int | None = None,
     return record
 
 
-def local_state(registry: Registry, record: JobRecord, code: int) -> tuple[str, str]:
+def local_state(registry: Registry, record: JobRecord, code: int, run_dir: Path) -> tuple[str, str]:
+    from hpcgpu.launch.jobs import stop_summary
+
     cancelled = registry.find(record.job_id)[0].cancel_requested
     if code == 0:
         return "COMPLETED", ""
     if cancelled:
         return "CANCELLED", "hpcgpu cancel"
     if code == EXIT_STOPPED:
-        return "PREEMPTED", "stopped at a checkpoint; the same command resumes it"
+        return "PREEMPTED", f"{stop_summary(run_dir)}; the same command goes on from it"
     return "FAILED", f"exit code {code}"
 
 
@@ -142,7 +144,7 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
     except BaseException:
         registry.update(record, state="FAILED", reason="the local executor failed", ended=time.time())
         raise
-    state, reason = local_state(registry, record, code)
+    state, reason = local_state(registry, record, code, run_dir)
     target = task or record
     target.state, target.reason, target.exit_code = state, reason, code
     if task is None or task is record.tasks[-1] or state == "CANCELLED":

@@ -358,8 +358,10 @@ class Queue:
         return again
 
     def _ended_line(self, r: QueueResult, seconds: float, retry: bool) -> str:
-        how = {"COMPLETED": "finished", "STOPPED": "stopped at a checkpoint"}.get(r.state,
-                                                                                 f"failed (exit {r.exit_code})")
+        from hpcgpu.launch.jobs import stop_summary
+
+        how = ("finished" if r.state == "COMPLETED" else stop_summary(r.run_dir) if r.state == "STOPPED" and r.run_dir
+               else "stopped at a checkpoint" if r.state == "STOPPED" else f"failed (exit {r.exit_code})")
         line = (f"[line {r.entry.line}] {r.entry.name}: {how} in {seconds:.1f} s; job {r.job_id or '?'}, "
                 f"run dir {r.run_dir or '?'}" + (f"; {r.error}" if r.state == "FAILED" and r.error else ""))
         return line + (f"; retrying (attempt {r.attempts + 1} of {self.retries + 1})" if retry else "")

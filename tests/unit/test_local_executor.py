@@ -253,7 +253,6 @@ def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == 75
         assert not rank_processes(marker)
         # submitted with --new: the same command would start afresh elsewhere, so the hint drops it
-        assert "stopped at a checkpoint; run the same command without --new to resume" in \
-            (tmp_path / "ctrlc.out").read_text()
+        assert "; run the same command without --new to go on" in (tmp_path / "ctrlc.out").read_text()
     finally:
         stop(proc, marker)

@@ -175,9 +175,9 @@ def test_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-2000:]
-    assert "stopped at a checkpoint" in err
     run_dir = run_dir_of(subprocess.CompletedProcess([], 0, "", err))
     (stop,) = records(run_dir, "stop")
+    assert f"stopped at step {stop['step']}, at its checkpoint; run the same command without --new to go on" in err
     assert (run_dir / "checkpoints" / f"step-{stop['step']:08d}" / "COMPLETE").exists()
 
     again = submit(spec, "--set", "train.max_steps=400")

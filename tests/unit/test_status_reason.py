@@ -307,3 +307,18 @@ def test_a_run_stopped_at_its_requeue_cap_says_so_not_exit_code_75(tmp_path, env
     assert cli_json("status", "7")["reason"] == (
         "stopped at a checkpoint and not requeued (timeout: requeue cap reached (1 of slurm.max_requeues=1); "
         "not requeuing); `scontrol requeue 7` goes on from it")
+
+
+@pytest.mark.parametrize("stop, said", [
+    ({"step": 0, "saved": False}, "stopped before its first step, nothing saved"),
+    ({"step": 40, "saved": True}, "stopped at step 40, at its checkpoint"),
+    ({"step": 0}, "stopped at step 0, at its checkpoint"),  # ctx.stop of your own loop saves at step 0 too
+    ({"rows": 96}, "stopped after 96 rows, all written"),
+])
+def test_a_stopped_run_says_what_it_kept(tmp_path: Path, stop: dict, said: str) -> None:
+    """Exit 75 after Ctrl-C or a preemption: a train run stopped while starting saved nothing, and
+    saying "at a checkpoint" would promise a resume that is a fresh start."""
+    records = [{"kind": "train", "step": 1}, {"kind": "stop", "reason": "signal", **stop}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert jobs_mod.stop_summary(tmp_path) == said
+    assert jobs_mod.stop_summary(tmp_path / "missing") == "stopped at a checkpoint"

@@ -863,7 +863,7 @@ def record_plan(ctx: Context, plan: RunPlan, paths: RunPaths) -> None:
         write_plan(paths.plan, plan)
 
 
-def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how: str) -> int:
+def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, just_saved: bool) -> int:
     """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
     ending the step after another rank failed, which is that crash and is not requeued."""
     from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
@@ -872,7 +872,10 @@ def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, how:
     if why is not None:
         raise TornDown(why, 128 + signal.SIGTERM)
     reason = stop_reason(spec, ctx.env)
-    metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count)
+    # saved: the state is a checkpoint's (just written, or resumed from); False only before any
+    metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count,
+                  saved=just_saved or tr.step > 0)
+    how = "with a checkpoint" if just_saved else "before the first step; nothing new to save"
     log.info(f"{describe_stop(reason)}: stopped at step {tr.step} {how}")
     metrics.close_trackers()  # before the requeue's SIGTERM reaches W&B's helper process
     requeue(ctx.env, spec, reason)
@@ -909,14 +912,14 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             if ctx.should_stop():
                 # the signal came while the job was starting: its state is the checkpoint it resumed
                 # from (or nothing yet), so nothing is lost by leaving now
-                return stop_run(ctx, spec, tr, metrics, "before the first step; nothing new to save")
+                return stop_run(ctx, spec, tr, metrics, just_saved=False)
             tracking.start(tr.start_step)  # plan.json is written; TensorBoard drops steps after the checkpoint
             with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
                             enabled=spec.monitor.enabled and ctx.device.type == "cuda",
                             on_sample=tracking.gpu_sample if tracking.active else None):
                 outcome = train_loop(ctx, tr, metrics, clock)
             if outcome == "stopped":
-                return stop_run(ctx, spec, tr, metrics, "with a checkpoint")
+                return stop_run(ctx, spec, tr, metrics, just_saved=True)
             restore_best(ctx, tr)
             save_final_model(ctx, tr)
             mark_finished(ctx.run_dir, ctx.env)
