@@ -176,6 +176,14 @@ def record_end(rank: Rank, code: int) -> None:
                                          time.time()))  # kept: a record the rank wrote itself wins
 
 
+def exited_text(failed: list[tuple[Rank, int]]) -> str:
+    """'rank 1 exited with code 2', or 'ranks 0, 1 exited with codes 2, 2' for ranks found failed together."""
+    if len(failed) == 1:
+        return f"rank {failed[0][0].index} exited with code {failed[0][1]}"
+    return (f"ranks {', '.join(str(r.index) for r, _ in failed)} exited with codes "
+            f"{', '.join(str(c) for _, c in failed)}")
+
+
 def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int:
     """Wait for all ranks; a failing rank stops the rest; Ctrl-C asks all to checkpoint and stop."""
     preempt_sig = getattr(signal, f"SIG{signal_name(spec)}", signal.SIGTERM)
@@ -201,14 +209,16 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
     deadline: float | None = None
     try:
         while any(r.proc.poll() is None for r in ranks):
-            for r in ranks:
-                code = r.proc.poll()
-                if code not in (None, 0) and first_failure is None:
-                    first_failure = (r.index, code)
+            # every rank found failed in one look is named: which of them failed first is for their
+            # failure records' times to say, not for the order they are looked at in
+            failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0)]
+            if failed and first_failure is None:
+                first_failure = (failed[0][0].index, failed[0][1])
+                for r, code in failed:
                     record_end(r, code)
-                    say(f"rank {r.index} exited with code {code}; stopping the other ranks")
-                    _signal_all(ranks, signal.SIGTERM)
-                    deadline = time.monotonic() + STOP_GRACE_S
+                say(f"{exited_text(failed)}; stopping the other ranks")
+                _signal_all(ranks, signal.SIGTERM)
+                deadline = time.monotonic() + STOP_GRACE_S
             if interrupted and deadline is None:
                 deadline = interrupted[0] + PREEMPT_GRACE_S
             if deadline is not None and time.monotonic() > deadline:

@@ -256,3 +256,23 @@ def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
         assert "; run the same command without --new to go on" in (tmp_path / "ctrlc.out").read_text()
     finally:
         stop(proc, marker)
+
+
+def test_ranks_that_fail_together_are_all_named(tmp_path: Path) -> None:
+    """Two ranks that exit before the executor looks: naming only the first one it polls (rank 0)
+    contradicted the failure records, which said rank 1 failed first."""
+    from hpcgpu.launch.local import Rank, wait_ranks
+    from hpcgpu.spec import spec_from_raw
+
+    ranks = []
+    for i, code in enumerate(["raise SystemExit(2)", "raise SystemExit(2)", "import time; time.sleep(60)"]):
+        log = open(tmp_path / f"rank-{i}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, start_new_session=True)
+        ranks.append(Rank(i, proc, log))
+    for r in ranks[:2]:
+        r.proc.wait()
+    said: list[str] = []
+    spec = spec_from_raw(command_spec("both", "", tmp_path) | {"runs_dir": str(tmp_path)})
+    assert wait_ranks(ranks, spec, said.append) == 2
+    assert said[0] == "ranks 0, 1 exited with codes 2, 2; stopping the other ranks"
+    assert ranks[2].proc.returncode == -signal.SIGTERM  # the one still running was stopped
