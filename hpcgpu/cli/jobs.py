@@ -28,6 +28,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 def elapsed_of(job: JobRecord, unit: JobRecord | TaskRecord) -> str:
     if unit.elapsed or job.executor == "slurm":
         return unit.elapsed
+    if isinstance(unit, TaskRecord):  # a local sweep's task: its own run, once started
+        return format_duration(time.time() - unit.run_start) if unit.run_start else ""
     return format_duration((job.ended or time.time()) - job.submitted)  # a local job: one run
 
 

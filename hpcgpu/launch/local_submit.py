@@ -27,6 +27,7 @@ from hpcgpu.launch import runlock
 from hpcgpu.launch.local import check_fits_here
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir
+from hpcgpu.launch.scheduler import format_duration
 from hpcgpu.launch.sweep import SweepTask, write_sweep
 from hpcgpu.spec import Spec
 
@@ -219,7 +220,14 @@ def submit_local_sweep(spec: Spec, tasks: list[SweepTask], spec_ref: str, regist
     started(record)
     for task, run_dir, entry in zip(tasks, sweep.run_dirs, record.tasks):
         say(f"task {entry.id}: {task.label()}")
-        run_recorded(registry, record, task.spec, run_dir, entry, echo=echo, say=say)
+        # each task's own state, node and time, as a SLURM array's: not the sweep's
+        entry.state, entry.run_start, entry.nodes = "RUNNING", time.time(), socket.gethostname()
+        registry.save(record)
+        try:
+            run_recorded(registry, record, task.spec, run_dir, entry, echo=echo, say=say)
+        finally:
+            entry.elapsed = format_duration(time.time() - entry.run_start)
+            registry.save(record)
         if entry.state == "CANCELLED":
             break
     return record

@@ -341,6 +341,8 @@ def test_local_executor_records_jobs_and_sweeps(tmp_path):
     done = hpcgpu("submit", str(spec), "--executor", "local", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "job local-1 (local), run dir " in done.stderr
+    # a second apiece: the tasks' own times show apart from the sweep's
+    spec.write_text(spec.read_text().replace("import os;", "import os, time; time.sleep(1.2);"))
     done = hpcgpu("submit", str(spec), "--executor", "local", "--sweep", "train.seed=1,2", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     reg = Registry(db)
@@ -350,6 +352,11 @@ def test_local_executor_records_jobs_and_sweeps(tmp_path):
     assert sweep.state == "COMPLETED" and [t.state for t in sweep.tasks] == ["COMPLETED", "COMPLETED"]
     assert [t.values for t in sweep.tasks] == [{"train.seed": 1}, {"train.seed": 2}]
     assert yaml.safe_load((Path(sweep.tasks[1].run_dir) / "spec.yaml").read_text())["train"]["seed"] == 2
+    # each task's own node and time, not the whole sweep's (each showed the sweep's elapsed time)
+    assert [t.nodes for t in sweep.tasks] == [socket.gethostname()] * 2
+    view = json.loads(hpcgpu("status", "local-2", "--json", env=env, cwd=tmp_path).stdout)
+    tasks_s = [t["elapsed_s"] for t in view["tasks"]]
+    assert all(s >= 1 for s in tasks_s) and sum(tasks_s) <= view["elapsed_s"] + 1, (tasks_s, view["elapsed_s"])
 
 
 HEAVY = ("torch", "transformers", "deepspeed", "accelerate", "numpy", "matplotlib", "pynvml")
