@@ -45,7 +45,8 @@ from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.collector import StepCollector
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
-    Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, causal_lm_loss_sum, eval_batches, load_blocks, load_tokenizer)
+    Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, causal_lm_loss_sum, eval_batches, load_blocks,
+    load_tokenizer)
 from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
@@ -555,8 +556,8 @@ class Trainer:
         self.model.eval()
         # summed loss and labelled tokens, in float64: one all-reduce, then one division
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for batch in eval_batches(self.eval_blocks, self.micro, self.spec.train.eval_batches * self.tp.global_batch,
-                                  self.ctx.rank, self.world):
+        sequences = self.spec.train.eval_batches * self.tp.global_batch
+        for batch in eval_batches(self.eval_blocks, self.micro, sequences, self.ctx.rank, self.world):
             ids, labels, mask = batch_fields(batch_to(batch, self.device))
             with self._autocast():  # the step's forward, uncompiled as the raw model is
                 out = self.raw_model(input_ids=ids, attention_mask=mask)
