@@ -110,6 +110,9 @@ class InferPlan:
     bytes_per_row: int | None = None  # the memory estimate of one row, where GPU memory was gone by
     budget_bytes: int | None = None  # the memory the batch was fitted into (smallest over the replicas)
     fits: bool | None = None  # False: not even one row fits the budget (the batch is 1 anyway)
+    # the spec's settings each row's output depends on (infer_settings): a resume refuses a change, which
+    # would leave outputs.jsonl a mix of two runs; {} in a plan of an older hpcgpu
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def how(self) -> str:
         what = self.mode if self.mode == "score" else (
@@ -466,9 +469,23 @@ def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows
                       max_new_tokens=inf.max_new_tokens if mode == "generate" else None,
                       sampling=mode == "generate" and inf.temperature > 0, input_digest=input_digest,
                       bytes_per_row=bytes_per_row if budget_bytes is not None else None,
-                      budget_bytes=budget_bytes, fits=fits)
+                      budget_bytes=budget_bytes, fits=fits, settings=infer_settings(spec))
     return RunPlan(task="infer", world_size=world, precision=precision, reason=reason, gpu_memory=budget_bytes,
                    infer=infer)
+
+
+def infer_settings(spec: Spec) -> dict[str, Any]:
+    """The spec's keys that change a row's output, as plan.json records them: the model and how it is
+    loaded, and for sampled generation its draw (greedy ignores top_p, top_k and seed)."""
+    m, inf = spec.model, spec.infer
+    out: dict[str, Any] = {"model.name_or_path": m.name_or_path, "model.config": m.config, "model.dtype": m.dtype,
+                           "model.quantization": m.quantization}
+    if inf.mode == "generate":
+        out["infer.stop"] = list(inf.stop)
+        if inf.temperature > 0:
+            out.update({"infer.temperature": inf.temperature, "infer.top_p": inf.top_p, "infer.top_k": inf.top_k,
+                        "infer.seed": inf.seed})
+    return json.loads(json.dumps(out))  # as plan.json will hold it
 
 
 def _pow2_floor(n: int) -> int:
@@ -489,6 +506,11 @@ def _check_recorded_infer(p: InferPlan, spec: Spec, refuse: Callable[..., Hpcgpu
         was, now = ("sampling", "greedy") if p.sampling else ("greedy", "sampling")
         raise refuse("generation", was, f"the spec's infer.temperature now asks for {now}",
                      "set infer.temperature back")
+    now = infer_settings(spec)
+    for key, recorded in p.settings.items():
+        if now.get(key) != recorded:
+            shown = json.dumps(recorded)
+            raise refuse(key, shown, f"the spec now says {json.dumps(now.get(key))}", f"set it back to {shown}")
 
 
 def with_replicas(plan: RunPlan, world: int) -> RunPlan:

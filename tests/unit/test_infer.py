@@ -422,6 +422,35 @@ def infer_raw(**infer: object) -> dict:
             "infer": {"input": "x.jsonl", **infer}}
 
 
+@pytest.mark.parametrize("change, refused", [
+    ({"infer": {"stop": ["a"]}}, r'infer.stop \[\] but the spec now says \["a"\]'),
+    ({"infer": {"temperature": 0.9}}, "infer.temperature 0.7 but the spec now says 0.9"),
+    ({"infer": {"seed": 1}}, "infer.seed 0 but the spec now says 1"),
+    ({"infer": {"top_p": 0.5}}, "infer.top_p 1.0 but the spec now says 0.5"),
+    ({"model": {"dtype": "bfloat16"}}, 'model.dtype "auto" but the spec now says "bfloat16"'),
+    ({"model": {"config": {**MODEL, "n_layer": 3}}}, "model.config"),
+])
+def test_a_resume_refuses_settings_that_change_the_rows_output(change: dict, refused: str) -> None:
+    """A stopped run resumed with another stop string, temperature, seed or model would leave
+    outputs.jsonl a mix of two runs, marked complete."""
+    def raw(extra: dict) -> dict:
+        doc = infer_raw(temperature=0.7)
+        for section, values in extra.items():
+            doc[section] = {**doc[section], **values}
+        return doc
+
+    plan = RunPlan.from_json(plan_infer(spec_from_raw(raw({})), 2, device_type="cpu", precision="fp32", rows=45,
+                                        max_tokens=40).to_json())
+    check_recorded(plan, Path("plan.json"), spec_from_raw(raw({})), 2)
+    with pytest.raises(HpcgpuError, match=refused):
+        check_recorded(plan, Path("plan.json"), spec_from_raw(raw(change)), 2)
+
+
+def test_a_greedy_resume_ignores_the_sampling_keys() -> None:
+    plan = plan_infer(spec_from_raw(infer_raw()), 2, device_type="cpu", precision="fp32", rows=45, max_tokens=40)
+    check_recorded(plan, Path("plan.json"), spec_from_raw(infer_raw(seed=5, top_k=3)), 2)
+
+
 def test_infer_plan_batch_from_memory_and_resume_with_other_replicas() -> None:
     spec = spec_from_raw(infer_raw())
     cpu = plan_infer(spec, 2, device_type="cpu", precision="fp32", rows=45, max_tokens=40)
