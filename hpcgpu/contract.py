@@ -22,6 +22,7 @@ EXIT_FINISHED = 0
 EXIT_USAGE = 2  # a spec, flag or file to fix (HpcgpuError)
 EXIT_SCHEDULER = 3  # the scheduler refused or failed (SchedulerError)
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped at a checkpoint after a preemption/timeout signal or Ctrl-C
+EXIT_KILLED = 130  # 128 + SIGINT: the local executor killed the ranks at a second Ctrl-C (or cancel)
 
 # --- markers ---------------------------------------------------------------------------------------
 FINISHED_MARKER = "FINISHED"  # in a run dir: the run is done and never trains (or requeues) again

@@ -128,6 +128,9 @@ def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy:
         record = local_submit.submit_local_sweep(spec, tasks, spec_ref, registry, ignore_busy=ignore_busy,
                                                  say=say, started=started_sweep)
         worst = local_submit.exit_code(record)
+        if record.state == "CANCELLED":
+            click.echo(f"job {record.job_id} cancelled; `hpcgpu status {record.job_id}` shows its tasks", err=True)
+            return worst
         if worst:
             raise JobFailed(f"job {record.job_id}: a sweep task ended with exit code {worst}; `hpcgpu status "
                             f"{record.job_id}` shows which", worst)
@@ -144,6 +147,9 @@ def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy:
         # --new again would start afresh in another run dir: the command that resumes is without it
         again = "the same command without --new" if fresh else "the same command again"
         click.echo(f"job {job_id} {stop_summary(run_dir)}; run {again} to go on", err=True)
+        return code
+    if record.state == "CANCELLED":  # hpcgpu cancel, or a second Ctrl-C: the user's doing, not a failure
+        click.echo(f"job {job_id} cancelled ({record.reason}); run dir {run_dir}", err=True)
         return code
     if code:
         f = record.failure or {}

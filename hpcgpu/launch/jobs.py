@@ -543,6 +543,7 @@ def cancel(registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str
     if is_final(job.state) or not executor_alive(job):
         refresh(registry, [job])
         return f"{ref} is not running ({job.state})"
+    again = job.cancel_requested
     registry.update(job, cancel_requested=True)
     assert job.pid is not None
     # The executor treats SIGTERM like Ctrl-C: every rank (each in its own session, so not in the
@@ -555,7 +556,9 @@ def cancel(registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str
         pass
     except PermissionError:
         raise HpcgpuError(f"{ref}: the local executor (pid {job.pid}) belongs to another user") from None
-    return f"cancelling {ref}: the local executor (pid {job.pid}) is stopping its ranks"
+    if again:  # the executor takes a second signal as a second Ctrl-C
+        return f"cancelling {ref} again: the local executor (pid {job.pid}) kills its ranks now"
+    return f"cancelling {ref}: the local executor (pid {job.pid}) is stopping its ranks (cancel again to kill)"
 
 
 # --- waiting --------------------------------------------------------------------------------------

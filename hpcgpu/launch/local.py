@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
-from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_STOPPED, Failure,
-                             attempt_id, is_finished, record_failure, write_finished)
+from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED, EXIT_STOPPED,
+                             Failure, attempt_id, is_finished, record_failure, write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.launch import runlock
 from hpcgpu.procs import PARENT_PID_VAR
@@ -210,17 +210,19 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
     try:
         while any(r.proc.poll() is None for r in ranks):
             # every rank found failed in one look is named: which of them failed first is for their
-            # failure records' times to say, not for the order they are looked at in
-            failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0)]
-            if failed and first_failure is None:
+            # failure records' times to say, not for the order they are looked at in. A rank that
+            # stopped at a checkpoint (75) did not fail: its peers are stopping too, within a grace.
+            failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0, EXIT_STOPPED)]
+            if failed and first_failure is None and len(interrupted) < 2:
                 first_failure = (failed[0][0].index, failed[0][1])
                 for r, code in failed:
                     record_end(r, code)
                 say(f"{exited_text(failed)}; stopping the other ranks")
                 _signal_all(ranks, signal.SIGTERM)
                 deadline = time.monotonic() + STOP_GRACE_S
-            if interrupted and deadline is None:
-                deadline = interrupted[0] + PREEMPT_GRACE_S
+            stopped = any(r.proc.returncode == EXIT_STOPPED for r in ranks)
+            if deadline is None and (interrupted or stopped):
+                deadline = (interrupted[0] if interrupted else time.monotonic()) + PREEMPT_GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 _signal_all(ranks, signal.SIGKILL)
             time.sleep(0.1)
@@ -230,6 +232,8 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
         for r in ranks:
             r.proc.wait()
             r.log.close()
+    if first_failure is None and len(interrupted) >= 2:
+        return EXIT_KILLED  # the user's kill, not the job's failure
     if first_failure is None:
         failed = [r for r in ranks if r.proc.returncode not in (0, None)]
         first_failure = (failed[0].index, failed[0].proc.returncode) if failed else None

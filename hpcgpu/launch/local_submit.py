@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Mapping
 
-from hpcgpu.contract import EXIT_STOPPED
+from hpcgpu.contract import EXIT_KILLED, EXIT_STOPPED
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch import runlock
 from hpcgpu.launch.local import check_fits_here
@@ -113,6 +113,9 @@ def new_record(spec: Spec, spec_ref: str, run_dir: Path, pid: int | None = None,
     return record
 
 
+KILLED_REASON = "killed at a second interrupt; the same command goes on from its last complete checkpoint"
+
+
 def local_state(registry: Registry, record: JobRecord, code: int, run_dir: Path) -> tuple[str, str]:
     from hpcgpu.launch.jobs import stop_summary
 
@@ -123,6 +126,8 @@ def local_state(registry: Registry, record: JobRecord, code: int, run_dir: Path)
         return "CANCELLED", "hpcgpu cancel"
     if code == EXIT_STOPPED:
         return "PREEMPTED", f"{stop_summary(run_dir)}; the same command goes on from it"
+    if code == EXIT_KILLED:
+        return "CANCELLED", KILLED_REASON
     return "FAILED", f"exit code {code}"
 
 

@@ -65,6 +65,7 @@ class QueueResult:
     attempts: int = 0
     failures: list[str] = field(default_factory=list)  # "attempt 1: <why>", one per failed attempt
     gpu_labels: list[str] = field(default_factory=list)  # the table's: "1:GPU-1f0c2a7e" (index, short UUID)
+    cancelled: bool = False  # the registry says CANCELLED (`hpcgpu cancel`, once or twice): not a failure
 
     @property
     def state(self) -> str:
@@ -72,6 +73,8 @@ class QueueResult:
             return "SKIPPED"
         if self.exit_code is None:
             return "NOT STARTED"
+        if self.cancelled and self.exit_code != 0:
+            return "CANCELLED"
         return {0: "COMPLETED", EXIT_STOPPED: "STOPPED"}.get(self.exit_code, "FAILED")
 
 
@@ -345,12 +348,12 @@ class Queue:
                 continue
             r, seconds, end = run.result, time.monotonic() - run.t0, run.job.details()
             r.exit_code, r.job_id, r.run_dir, r.error = code, end.job_id, end.run_dir, end.error
+            r.cancelled = end.state == "CANCELLED"
             r.seconds += seconds
             self.pool.give(run.devices)
             if r.state == "FAILED":
                 r.failures.append(f"attempt {r.attempts}: {r.error or f'exit code {code}'}")
-            retry = (r.state == "FAILED" and end.state != "CANCELLED" and r.attempts <= self.retries
-                     and not self.stopping)
+            retry = r.state == "FAILED" and r.attempts <= self.retries and not self.stopping
             self.echo(self._ended_line(r, seconds, retry))
             if retry:
                 again.append(r)
@@ -360,8 +363,9 @@ class Queue:
     def _ended_line(self, r: QueueResult, seconds: float, retry: bool) -> str:
         from hpcgpu.launch.jobs import stop_summary
 
-        how = ("finished" if r.state == "COMPLETED" else stop_summary(r.run_dir) if r.state == "STOPPED" and r.run_dir
-               else "stopped at a checkpoint" if r.state == "STOPPED" else f"failed (exit {r.exit_code})")
+        how = {"COMPLETED": "finished", "CANCELLED": f"cancelled ({r.error or 'hpcgpu cancel'})",
+               "STOPPED": stop_summary(r.run_dir) if r.run_dir else "stopped at a checkpoint"}.get(
+                   r.state, f"failed (exit {r.exit_code})")
         line = (f"[line {r.entry.line}] {r.entry.name}: {how} in {seconds:.1f} s; job {r.job_id or '?'}, "
                 f"run dir {r.run_dir or '?'}" + (f"; {r.error}" if r.state == "FAILED" and r.error else ""))
         return line + (f"; retrying (attempt {r.attempts + 1} of {self.retries + 1})" if retry else "")
@@ -387,11 +391,11 @@ class Queue:
 
 
 def exit_code(results: Sequence[QueueResult]) -> int:
-    """0 all done; 1 a job failed; 75 stopped or left unstarted (run the queue again to go on)."""
+    """0 all done; 1 a job failed; 75 stopped, cancelled or left unstarted (run the queue again to go on)."""
     states = {r.state for r in results}
     if "FAILED" in states:
         return 1
-    if states & {"STOPPED", "NOT STARTED"}:
+    if states & {"STOPPED", "CANCELLED", "NOT STARTED"}:
         return EXIT_STOPPED
     return 0
 

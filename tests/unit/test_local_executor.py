@@ -253,7 +253,30 @@ def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
         assert proc.wait(timeout=30) == 75
         assert not rank_processes(marker)
         # submitted with --new: the same command would start afresh elsewhere, so the hint drops it
-        assert "; run the same command without --new to go on" in (tmp_path / "ctrlc.out").read_text()
+        out = (tmp_path / "ctrlc.out").read_text()
+        assert "; run the same command without --new to go on" in out
+        assert "exited with code 75" not in out  # a rank stopping at a checkpoint is no failure to announce
+    finally:
+        stop(proc, marker)
+
+
+def test_a_second_ctrl_c_kills_and_is_a_cancellation_not_a_failure(tmp_path: Path) -> None:
+    marker = str(tmp_path / "runs")
+    proc, run_dir = start_long_train(tmp_path, "twice", "--new")
+    try:
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert not rank_processes(marker)
+        out = (tmp_path / "twice.out").read_text()
+        assert "second interrupt: killing all ranks" in out
+        assert "cancelled (killed at a second interrupt; the same command goes on from its last complete " \
+               "checkpoint)" in out and "failed" not in out, out[-2000:]
+        status = subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True,
+                                text=True, env=job_env(), cwd=tmp_path, timeout=60)
+        (job,) = [j for j in json.loads(status.stdout) if j["run_dir"] == str(run_dir)]
+        assert job["state"] == "CANCELLED" and "second interrupt" in job["reason"]
     finally:
         stop(proc, marker)
 

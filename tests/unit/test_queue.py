@@ -366,3 +366,15 @@ def test_gpus_without_nvml_must_be_indexes_or_uuids_each_once(tmp_path: Path, mo
             gpu_ids_as_given(bad)
     with pytest.raises(UsageError, match="no such file"):
         read_entries(tmp_path / "nofile.txt")
+
+
+def test_a_cancelled_job_is_cancelled_not_failed_nor_retried() -> None:
+    """`hpcgpu cancel` twice kills the job's ranks (exit 137): the queue called it FAILED and exited 1."""
+    from hpcgpu.launch.queue import QueueEntry, QueueResult, exit_code
+
+    done = QueueResult(QueueEntry(1, ("a.yaml",), "a", 1), exit_code=0)
+    killed = QueueResult(QueueEntry(2, ("b.yaml",), "b", 1), exit_code=137, cancelled=True)
+    stopped = QueueResult(QueueEntry(3, ("c.yaml",), "c", 1), exit_code=75, cancelled=True)
+    assert [r.state for r in (done, killed, stopped)] == ["COMPLETED", "CANCELLED", "CANCELLED"]
+    assert exit_code([done, killed]) == 75  # not done: the queue run again goes on with it
+    assert exit_code([done, killed, QueueResult(QueueEntry(4, ("d.yaml",), "d", 1), exit_code=1)]) == 1
