@@ -26,10 +26,10 @@ from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch import runlock
 from hpcgpu.launch.local import check_fits_here
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir
+from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir, write_atomic
 from hpcgpu.launch.scheduler import format_duration
 from hpcgpu.launch.sweep import SweepTask, write_sweep
-from hpcgpu.spec import Spec
+from hpcgpu.spec import Spec, dump_spec
 
 Say = Callable[[str], None]
 Started = Callable[[JobRecord], None]
@@ -176,6 +176,8 @@ def unfinished_run(spec: Spec, registry: Registry, fresh: bool = False) -> Path 
     if run_dir is not None and run_dirs_in_use(registry)(run_dir):
         # the same command while the job (or ranks it left) still runs: never a second writer
         raise runlock.RunDirLocked(run_dir)
+    if run_dir is not None and (run_dir / "spec.yaml").read_text() != (text := dump_spec(spec)):
+        write_atomic(run_dir / "spec.yaml", text)  # an infer run going on with another replica count
     return run_dir
 
 

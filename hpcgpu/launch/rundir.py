@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+import yaml
+
 from hpcgpu.errors import SpecError
 from hpcgpu.contract import is_finished
 from hpcgpu.spec import Spec, dump_spec
@@ -113,11 +115,29 @@ def runs_of_this_spec(spec: Spec) -> Iterator[Path]:
     text = dump_spec(spec)
     for run_dir in found:
         try:
-            same = (run_dir / "spec.yaml").read_text() == text
+            same = same_run_spec(text, (run_dir / "spec.yaml").read_text(), spec.task)
         except (OSError, UnicodeDecodeError):
             continue
         if same:
             yield run_dir.resolve()
+
+
+def same_run_spec(text: str, recorded: str, task: str) -> bool:
+    """Whether a run dir's spec.yaml is this spec's: identical, except that an infer run may go on
+    with another replica count (resources.gpus, resources.nodes): its rows do not depend on it."""
+    if recorded == text or task != "infer":
+        return recorded == text
+    try:
+        now, then = yaml.safe_load(text), yaml.safe_load(recorded)
+    except yaml.YAMLError:
+        return False
+    return _without_replica_count(now) == _without_replica_count(then)
+
+
+def _without_replica_count(doc: object) -> object:
+    if not isinstance(doc, dict) or not isinstance(doc.get("resources"), dict):
+        return doc
+    return {**doc, "resources": {k: v for k, v in doc["resources"].items() if k not in ("gpus", "nodes")}}
 
 
 def find_unfinished_run(spec: Spec, in_use: Callable[[Path], bool] = lambda p: False) -> Path | None:

@@ -308,12 +308,12 @@ def test_a_run_resumed_with_another_replica_count_skips_every_row_written(world:
     run = run_dir(world["folders"]["stopB"], "greedy")
     replica0 = run / "outputs" / "replica-0.jsonl"
     replica0.write_bytes(replica0.read_bytes() + b'{"id": "r4')  # and a partial row
-    # 1 replica instead of 2: `hpcgpu run` started by hand, as a lone process
-    proc = subprocess.run([sys.executable, "-m", "hpcgpu", "run", str(run / "spec.yaml")], capture_output=True,
-                          text=True, timeout=120, env=job_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 1 replica instead of 2: the same spec with --gpus 1 goes on in the stopped run's dir
+    code, out = finish({"one": start(world["paths"]["stopB"], "--gpus", "1")})["one"]
+    assert code == 0, out[-3000:]
+    assert f"resuming the unfinished run {run}" in out
     assert (run / "outputs.jsonl").read_bytes() == (greedy2 / "outputs.jsonl").read_bytes()
-    assert "goes on with 1" in proc.stdout
+    assert "goes on with 1" in out
     assert RunPlan.from_json((run / "plan.json").read_text()).inference.replicas == 1
     written = [json.loads(x)["index"] for n in (0, 1)
                for x in (run / "outputs" / f"replica-{n}.jsonl").read_text().splitlines()]
