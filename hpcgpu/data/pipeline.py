@@ -116,9 +116,10 @@ def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_fie
     """Tokenize every document into `folder`; returns the counts for the manifest."""
     eos = getattr(tokenizer, "eos_token_id", None)
     examples = data_format != "text"
+    total = progress_total(src)  # reads parquet footers: an unreadable file fails before anything is opened
     writer = TokenWriter(folder, dtype, masks=examples)
     top = -1
-    progress = Progress(*progress_total(src), label=src.path.name)
+    progress = Progress(*total, label=src.path.name)
     try:
         for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype, data_format):
             writer.write_chunk(chunk.ids, chunk.lengths)

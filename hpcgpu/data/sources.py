@@ -106,7 +106,13 @@ def progress_total(source: Source) -> tuple[Optional[int], str]:
     if source.kind == "parquet":
         import pyarrow.parquet as pq
 
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in source.files), "rows"
+        rows = 0
+        for f in source.files:
+            try:
+                rows += pq.ParquetFile(f).metadata.num_rows
+            except Exception as exc:  # pyarrow's ArrowInvalid (not parquet), OSError, ...
+                raise HpcgpuError(f"{f}: cannot be read as parquet: {first_line(exc)}") from None
+        return rows, "rows"
     return None, "rows"
 
 
@@ -193,8 +199,13 @@ def open_dataset(source: Source) -> Any:
     except HpcgpuError:
         raise
     except Exception as exc:  # datasets/pyarrow raise many kinds for a file they cannot read
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise HpcgpuError(f"{source.path}: cannot be read as {source.kind} with datasets: {reason}") from None
+        raise HpcgpuError(f"{source.path}: cannot be read as {source.kind} with datasets: "
+                          f"{first_line(exc)}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message for a one-line error: its first line, at most 200 characters."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def iter_chunks(docs: Iterator[tuple[Any, int]]) -> Iterator[tuple[list[Any], int]]:

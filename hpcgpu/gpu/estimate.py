@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
-from hpcgpu.errors import HpcgpuError
+from hpcgpu.errors import HpcgpuError, SpecError
 
 if TYPE_CHECKING:
     from hpcgpu.spec import Spec
@@ -205,8 +205,30 @@ def model_config(spec: Spec) -> Any:
             return AutoConfig.from_pretrained(spec.model.name_or_path)
         cfg = dict(spec.model.config or {})
         return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HpcgpuError(f"model: cannot build the model config: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the config is the user's: whatever transformers refuses, one line
+        unknown = unknown_model_type(spec)
+        if unknown:
+            raise unknown from None
+        raise HpcgpuError(f"model: cannot build the model config: {library_reason(exc)}") from exc
+
+
+def unknown_model_type(spec: Spec) -> HpcgpuError | None:
+    """validate's line for a model.config.model_type transformers does not know, or None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from hpcgpu.launch.checks import model_type_problem
+
+    model_type = None if spec.model.name_or_path else (spec.model.config or {}).get("model_type")
+    if model_type is None or isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES:
+        return None
+    problem = model_type_problem(spec)
+    return SpecError("model.config.model_type", problem) if problem else None
+
+
+def library_reason(exc: BaseException) -> str:
+    """transformers' reason on one line: its first paragraph, without the list of every model type."""
+    text = str(exc).strip().split("\n\n")[0].split(". Should contain one of ")[0]
+    return " ".join(text.replace("`", "").split()) or type(exc).__name__
 
 
 def count_params(spec: Spec) -> tuple[int, Any]:
@@ -215,8 +237,12 @@ def count_params(spec: Spec) -> tuple[int, Any]:
     from transformers import AutoModelForCausalLM
 
     config = model_config(spec)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - sizes the model cannot be built with (n_head not dividing n_embd)
+        where = f"model.name_or_path {spec.model.name_or_path}" if spec.model.name_or_path else "model.config"
+        raise HpcgpuError(f"{where}: {library_reason(exc)}") from exc
     return sum(p.numel() for p in model.parameters()), config  # parameters() counts tied weights once
 
 

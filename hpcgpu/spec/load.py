@@ -291,6 +291,9 @@ def _check_infer(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     if spec.model.quantization != "none" and not spec.model.name_or_path:
         raise lines.error("model.quantization", "int8/int4 weights are quantized as a saved model loads: give "
                           "model.name_or_path (a folder save_pretrained wrote), or use quantization: none")
+    if "" in spec.infer.stop:  # "" is found at the start of every completion: each would come back empty
+        raise lines.error(f"infer.stop[{spec.infer.stop.index('')}]",
+                          "an empty stop string would end every completion at once; remove it")
     g, gpus = spec.infer.gpus_per_replica, spec.resources.gpus
     if isinstance(g, int) and gpus % g:
         raise lines.error("infer.gpus_per_replica", f"{g} does not divide the {gpus} GPUs per node "

@@ -135,7 +135,35 @@ def _parse_union(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> A
             return parse_value(arg, value, path, lines, meta)
         except SpecError as exc:
             errors.append(exc.message)
+    wanted = [_describe(arg, meta) for arg in args]
+    if all(wanted):  # scalars and choices: what each takes, in one list (an integer >= 1 or auto)
+        items = [item for one in wanted for item in one]  # type: ignore[union-attr]
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        raise lines.error(path, f"must be {_or_list(items)}; got {shown}")
     raise lines.error(path, " or ".join(dict.fromkeys(errors)))
+
+
+def _describe(tp: Any, meta: Any) -> list[str] | None:
+    """What a scalar or Literal type takes, in words, for a union's message; None for anything else."""
+    if get_origin(tp) is Literal:
+        return [str(c).lower() if isinstance(c, bool) else str(c) for c in get_args(tp)]
+    if tp is bool:
+        return ["true", "false"]
+    if tp in (int, float):
+        low, high = meta.get("min"), meta.get("max")
+        word = "an integer" if tp is int else "a number"
+        if low is not None and high is not None:
+            return [f"{word} from {low:g} to {high:g}"]
+        return [word + (f" >= {low:g}" if low is not None else "") + (f" <= {high:g}" if high is not None else "")]
+    if tp is str and "check" not in meta:
+        return [meta["fmt"] if "pattern" in meta else "a string"]
+    return None
+
+
+def _or_list(items: list[str]) -> str:
+    """a, b or c"""
+    items = list(dict.fromkeys(items))
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
 def _parse_scalar(tp: Any, value: Any, path: str, lines: LineMap, meta: Any) -> Any:

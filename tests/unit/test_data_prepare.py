@@ -20,7 +20,7 @@ import torch
 
 from conftest import EVAL_TEXT, REPO, only_run_dir, submit_all, train_records, train_spec, write_spec_file
 from hpcgpu.cli import main
-from hpcgpu.data import PreparedData, cache_entry, is_prepared, prepare, prepared_for
+from hpcgpu.data import PreparedData, cache_entry, is_prepared, open_training_data, prepare, prepared_for
 from hpcgpu.data import format as fmt
 from hpcgpu.data import pipeline, sources
 from hpcgpu.errors import HpcgpuError
@@ -246,6 +246,20 @@ def test_parquet_file_and_folder_through_datasets(tmp_path: Path) -> None:
                                                              str(folder / "part-1.parquet")]
     with pytest.raises(HpcgpuError, match=r'part-0.parquet: no column "text" \(columns: body, n\)'):
         prepare(folder / "part-0.parquet", None, tmp_path / "nocol")
+
+
+@pytest.mark.parametrize("name", ["bad.parquet", "bad.arrow"])
+def test_a_file_that_is_not_parquet_or_arrow_is_one_line(tmp_path: Path, name: str,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / name
+    bad.write_text("not parquet\n")
+    assert run_cli("data", "prepare", "--input", str(bad), "--output", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert f"hpcgpu: error: {bad}: cannot be read as {bad.suffix[1:]}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(HpcgpuError, match=f"{bad}: cannot be read as"):  # the job's way in: data.train
+        open_training_data(str(bad), ByteTokenizer(), cache_dir=str(tmp_path / "cache"))
+    assert [f.name for f in (tmp_path / "cache").iterdir() if not f.name.endswith(".lock")] == []
 
 
 # ---------------------------------------------------------------- bad input

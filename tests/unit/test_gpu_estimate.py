@@ -115,6 +115,21 @@ def test_a_gpu_memory_no_model_fits_in_is_one_line(size):
                                                     "give a GPU's size, like 80G\n"), done.stderr
 
 
+@pytest.mark.parametrize("setting, line", [
+    ("model.config.n_head=3", "model.config: embed_dim must be divisible by num_heads (got embed_dim: 128 and "
+                              "num_heads: 3)."),
+    ("model.config.model_type=gtp2", "model.config.model_type: unknown model type 'gtp2' (transformers "),
+])
+def test_a_model_transformers_cannot_build_is_one_line(setting, line, capsys):
+    pytest.importorskip("transformers")
+    from hpcgpu.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", str(Path(__file__).parents[2] / "configs" / "tiny-gpt2.yaml"), "--set", setting])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and err.startswith(f"hpcgpu: error: {line}") and len(err) < 200, err
+
+
 def test_small_model_on_h100_gets_ddp_and_the_largest_dividing_micro_batch():
     rec = recommend(gpt2_dims(), H100_TOTAL, world=2, global_batch=64, cpus_per_gpu=8)
     assert rec.strategy == "ddp" and rec.zero_stage is None and rec.offload == "none"

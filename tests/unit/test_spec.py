@@ -196,6 +196,14 @@ BAD = [
     ("infer-gpus-per-replica-3", INFER + "  gpus_per_replica: 3\nresources: {gpus: 4}\n", "infer.gpus_per_replica",
      ["3 does not divide the 4 GPUs per node"], "gpus_per_replica"),
     ("infer-mode", INFER + "  mode: chat\n", "infer.mode", ["generate, score"], "mode: chat"),
+    # "" ends a completion where it starts: every row would come back empty
+    ("infer-empty-stop", INFER + "  stop: ['\\n\\n', '']\n", "infer.stop[1]",
+     ["an empty stop string would end every completion at once"], "stop:"),
+    # an int-or-literal union says what it takes in one list, not two messages joined
+    ("infer-batch-size-zero", INFER + "  batch_size: 0\n", "infer.batch_size",
+     ["must be an integer >= 1 or auto; got 0"], "batch_size: 0"),
+    ("compile-word", COMMAND + "train:\n  compile: 'yes'\n", "train.compile", ["must be true, false or auto; got 'yes'"],
+     "compile:"),
     ("mem-GB", COMMAND + "resources:\n  mem_per_gpu: 32GB\n", "resources.mem_per_gpu", ["32G"], "mem_per_gpu"),
     ("mem-word", COMMAND + "resources:\n  mem_per_gpu: lots\n", "resources.mem_per_gpu", ["32G"], "mem_per_gpu"),
     ("name-space", "name: my job\ntask: command\ncommand: [x]\n", "name", ["letters, digits"], "name:"),
