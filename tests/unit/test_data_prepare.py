@@ -285,6 +285,15 @@ def test_bad_inputs_are_one_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+def test_an_output_holding_a_prepared_dataset_is_replaced_whole(tmp_path: Path) -> None:
+    out = tmp_path / "prep" / "x"
+    prepare(write_jsonl(tmp_path / "a.jsonl", DOCS), None, out)
+    first = PreparedData(out).num_tokens
+    prepare(write_jsonl(tmp_path / "b.jsonl", DOCS[:2]), None, out)
+    assert PreparedData(out).num_tokens < first
+    assert sorted(p.name for p in out.parent.iterdir() if not p.name.endswith(".lock")) == ["x"]  # no old copy
+
+
 def test_prepared_folder_made_with_another_tokenizer_is_refused(tmp_path: Path, bpe_dir: Path) -> None:
     source = write_jsonl(tmp_path / "in.jsonl", DOCS)
     bpe = load_tokenizer(str(bpe_dir))
