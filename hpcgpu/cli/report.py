@@ -12,13 +12,13 @@ from hpcgpu.errors import UsageError
 
 
 @click.command()
-@click.argument("run_dir", metavar="RUN_DIR", type=click.Path(file_okay=False))
+@click.argument("run_dir", metavar="RUN_DIR|JOB", type=click.Path(file_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Where to write the plot: .png (default RUN_DIR/report.png), .pdf or .svg; the summary "
                    "goes beside it as .json.")
 @click.option("--json", "as_json", is_flag=True, help="The summary as JSON.")
 def report(run_dir: str, output: str | None, as_json: bool) -> None:
-    """Plot a run: train/eval loss, tokens/s, and per-GPU utilization, memory and power over time
+    """Plot a run (its folder, or a job id: `hpcgpu report local-3`): train/eval loss, tokens/s, and per-GPU utilization, memory and power over time
     (from metrics.jsonl and gpu.jsonl); print steps, tokens, mean tokens/s, MFU, peak memory, restarts.
 
     A task: infer run: rows done, rows/s and tokens/s (generated; scored in mode score) over wall
@@ -26,6 +26,7 @@ def report(run_dir: str, output: str | None, as_json: bool) -> None:
     tokens/s, peak memory, restarts and whether outputs.jsonl is complete (FINISHED)."""
     from hpcgpu.report import write_report
 
+    run_dir = job_run_dir(run_dir)
     path = plot_path(output)
     try:
         png, panels, summary = write_report(run_dir, path)
@@ -38,6 +39,23 @@ def report(run_dir: str, output: str | None, as_json: bool) -> None:
         return
     click.echo(summary.text())
     click.echo(f"wrote {png} ({', '.join(panels) or 'no panels: nothing to plot yet'})")
+
+
+def job_run_dir(ref: str) -> str:
+    """RUN_DIR as given, or the run dir of the job (or array task) with that id in the registry."""
+    if Path(ref).exists() or Path(ref).is_absolute() or "/" in ref:
+        return ref
+    from hpcgpu.errors import HpcgpuError
+    from hpcgpu.launch.jobs import find_job
+    from hpcgpu.launch.registry import Registry
+
+    try:
+        job, task = find_job(Registry(), ref)
+    except HpcgpuError:
+        return ref  # neither a folder nor a job: the report says the folder is missing
+    if job.is_array and task is None:
+        raise UsageError(f"{ref} is an array: report one task's run ({job.tasks[0].id}, ...) or a run dir")
+    return (task or job).run_dir
 
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")

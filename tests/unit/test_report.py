@@ -134,6 +134,16 @@ def test_report_output_names_and_places(tmp_path):
         assert says in done.stderr
 
 
+def test_report_takes_a_job_id_for_its_run_dir(cpu_run, tmp_path):
+    listed = subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True, text=True,
+                            cwd=REPO, timeout=60)
+    (job,) = [j["id"] for j in json.loads(listed.stdout) if j["run_dir"] == str(cpu_run)]
+    by_id, by_dir = (report(ref, "-o", str(tmp_path / f"{n}.png")) for n, ref in enumerate((job, str(cpu_run))))
+    assert by_id.returncode == 0, by_id.stderr
+    assert by_id.stdout.replace("0.png", "1.png") == by_dir.stdout  # the same run's summary
+    assert (tmp_path / "0.png").exists()
+
+
 @pytest.mark.parametrize("make", ["missing", "empty"])
 def test_report_errors_are_one_line(tmp_path, make):
     run = tmp_path / "run"
