@@ -69,6 +69,16 @@ def _latest_per_step(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def nothing_to_report(run_dir: Path) -> str:
+    """Why a run dir has no records to plot, in words a user can act on."""
+    if (run_dir / "metrics.jsonl").exists():
+        return "has a metrics.jsonl without one complete record (not a run's, or cut short)"
+    logs = run_dir / "logs"
+    if logs.is_dir() and any(logs.iterdir()):
+        return f"has no metrics.jsonl: the job ended before its first record; its logs are in {logs}"
+    return "has no metrics.jsonl or gpu.jsonl (has the job started?)"
+
+
 def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -76,7 +86,7 @@ def load_run(run_dir: str | Path) -> RunData:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     gpu = [r for p in sorted(run_dir.glob("gpu*.jsonl")) for r in read_jsonl(p)]
     if not metrics and not gpu:
-        raise HpcgpuError(f"RUN_DIR: {run_dir} has no metrics.jsonl or gpu.jsonl (has the job started?)")
+        raise HpcgpuError(f"RUN_DIR: {run_dir} {nothing_to_report(run_dir)}")
     events = [r for r in metrics if r.get("kind") in ("resume", "stop", "end")]
     task, mode, rows_total = _task_of(run_dir, metrics)
     if task == "infer":

@@ -144,13 +144,23 @@ def test_report_takes_a_job_id_for_its_run_dir(cpu_run, tmp_path):
     assert (tmp_path / "0.png").exists()
 
 
-@pytest.mark.parametrize("make", ["missing", "empty"])
-def test_report_errors_are_one_line(tmp_path, make):
+@pytest.mark.parametrize("make, says", [
+    ("missing", "is not a directory"), ("empty", "has the job started?"),
+    ("garbage", "has a metrics.jsonl without one complete record"),
+    ("logs only", "the job ended before its first record; its logs are in"),
+])
+def test_report_errors_are_one_line(tmp_path, make, says):
     run = tmp_path / "run"
-    if make == "empty":
+    if make != "missing":
         run.mkdir()
+    if make == "garbage":
+        (run / "metrics.jsonl").write_text("not json\n")
+    if make == "logs only":
+        (run / "logs").mkdir()
+        (run / "logs" / "rank-0.log").write_text("Traceback ...\n")
     done = report(str(run))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("hpcgpu: error: RUN_DIR")
+    assert says in done.stderr
 
 
 # ---------------------------------------------------------------- task: infer (a run dir made by hand)
