@@ -83,6 +83,8 @@ def build(src: Source, tokenizer: Any, dest: Path, *, text_field: str, workers: 
     before = fingerprint(src)
     with writing(dest) as tmp:
         counts = write_tokens(src, tokenizer, tmp, token_type, text_field, n_workers, data_format)
+        if not counts["num_tokens"]:  # nothing to train on: an error here, not a run that fails later
+            raise HpcgpuError(f"{src.path}: no text in it (empty, or only blank lines); nothing to prepare")
         seconds = time.monotonic() - t0
         manifest = {"dtype": token_type, **counts, "tokenizer": identity, "text_field": text_field,
                     "data_format": data_format, "sources": source_records(src, before),

@@ -159,13 +159,24 @@ def jsonl_text(raw: bytes, text_field: str, path: Path, n: int) -> Any:
     if not line.strip():
         return None
     try:
-        text = json.loads(line)[text_field]
-    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
-        text = None
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise HpcgpuError(f"{path}:{n}: not a JSON object ({exc.msg}); a .jsonl holds one object a line") from None
+    text = obj.get(text_field) if isinstance(obj, dict) else None
     if not isinstance(text, str):
         raise HpcgpuError(f"{path}:{n}: expected a JSON object with a \"{text_field}\" field (a string); "
-                          "set data.text_field (--text-field) to the field that holds the text")
+                          f"{text_field_hint(obj)}")
     return text
+
+
+def text_field_hint(obj: Any) -> str:
+    """What to set for a row without the text field: the format its keys look like, else text_field."""
+    keys = set(obj) if isinstance(obj, dict) else set()
+    if "messages" in keys:
+        return "its \"messages\" look like chat rows: set data.format: chat (--format chat)"
+    if {"prompt", "completion"} <= keys:
+        return "it looks like a prompt/completion row: set data.format: prompt_completion (--format prompt_completion)"
+    return "set data.text_field (--text-field) to the field that holds the text"
 
 
 def dataset_documents(source: Source, text_field: str) -> Iterator[tuple[str, int]]:

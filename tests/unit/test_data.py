@@ -151,11 +151,13 @@ def test_jsonl_reads_the_text_field(tmp_path: Path) -> None:
     assert blocks.flatten().tolist() == list(joined[: len(joined) // 8 * 8])
 
 
-@pytest.mark.parametrize("bad_line", ['{"content": "no text field"}', "not json at all", '["a", "list"]'])
-def test_jsonl_line_without_text_names_file_and_line(tmp_path: Path, bad_line: str) -> None:
+@pytest.mark.parametrize("bad_line, says", [('{"content": "no text field"}', 'expected a JSON object with a "text" field'),
+                                             ("not json at all", "not a JSON object"),
+                                             ('["a", "list"]', 'expected a JSON object with a "text" field')])
+def test_jsonl_line_without_text_names_file_and_line(tmp_path: Path, bad_line: str, says: str) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "fine"}\n' + bad_line + "\n" + '{"text": "fine"}\n')
-    with pytest.raises(HpcgpuError, match=rf'{path}:2: expected a JSON object with a "text" field'):
+    with pytest.raises(HpcgpuError, match=rf"{path}:2: {says}"):
         load_blocks(str(path), ByteTokenizer(), 8)
 
 

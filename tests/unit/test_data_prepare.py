@@ -283,6 +283,11 @@ def test_bad_inputs_are_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(HpcgpuError, match="exists and is not a prepared dataset"):
         prepare(bad, None, tmp_path / "taken", text_field="body")
     assert not (tmp_path / "o").exists()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(HpcgpuError, match=f"{empty}: no text in it"):
+        prepare(empty, None, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
 
 
 def test_an_output_holding_a_prepared_dataset_is_replaced_whole(tmp_path: Path) -> None:
@@ -332,9 +337,16 @@ def test_cli_prepares_an_input_file_and_exits_2_on_a_bad_line(tmp_path: Path, bp
     assert run_cli("data", "prepare", "--input", str(bad), "--output", str(tmp_path / "x")) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("hpcgpu: error:")]
-    assert errors == [f'hpcgpu: error: {bad}:2: expected a JSON object with a "text" field (a string); '
-                      "set data.text_field (--text-field) to the field that holds the text"]
+    assert errors == [f"hpcgpu: error: {bad}:2: not a JSON object (Expecting value); a .jsonl holds one object a line"]
     assert "Traceback" not in err
+    for row, hint in [({"body": "x"}, "set data.text_field (--text-field) to the field that holds the text"),
+                      ({"prompt": "a", "completion": "b"}, "set data.format: prompt_completion (--format "
+                                                          "prompt_completion)"),
+                      ({"messages": []}, "set data.format: chat (--format chat)")]:
+        bad.write_text(json.dumps(row) + "\n")
+        assert run_cli("data", "prepare", "--input", str(bad), "--output", str(tmp_path / "x")) == 2
+        err = capsys.readouterr().err
+        assert f'{bad}:1: expected a JSON object with a "text" field (a string); ' in err and hint in err, err
 
 
 def test_cli_prepares_a_specs_train_and_eval(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
