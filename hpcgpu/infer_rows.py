@@ -76,6 +76,8 @@ def _jsonl_row(p: Path, n: int, line: str, index: int, mode: str) -> Row:
         if not isinstance(obj.get("text"), str):
             raise HpcgpuError(f"{p}:{n}: mode score needs a \"text\" field (a string)")
         return Row(index, row_id, n, text=obj["text"])
+    if "prompt" in obj and "messages" in obj:  # which one the row means is not for us to guess
+        raise HpcgpuError(f"{p}:{n}: has both \"prompt\" and \"messages\"; keep the one the row means")
     if isinstance(obj.get("prompt"), str):
         return Row(index, row_id, n, prompt=obj["prompt"])
     messages = obj.get("messages")

@@ -479,3 +479,13 @@ def test_infer_plan_batch_from_memory_and_resume_with_other_replicas() -> None:
         check_recorded(cpu, Path("plan.json"), spec_from_raw(infer_raw(mode="score")), 2)
     with pytest.raises(HpcgpuError, match="batch size 8 but the spec now fixes infer.batch_size: 4"):
         check_recorded(cpu, Path("plan.json"), spec_from_raw(infer_raw(batch_size=4)), 2)
+
+
+def test_a_row_with_both_prompt_and_messages_is_refused(tmp_path: Path) -> None:
+    from hpcgpu.infer_rows import read_rows
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b", "messages": [{"role": "user", '
+                    '"content": "c"}]}\n')
+    with pytest.raises(HpcgpuError, match=rf'{rows}:2: has both "prompt" and "messages"'):
+        read_rows(rows)
