@@ -3,7 +3,12 @@
 One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM and local):
 - the input files a spec names exist here and can be read (data.train, data.eval,
   distributed.deepspeed.config, a local model.name_or_path, infer.input; a hub id such as gpt2 is not
-  a path);
+  a path); a data.train/data.eval folder is a complete prepared dataset (its manifest.json) or raw data
+  the job reads (parquet/arrow files, Dataset.save_to_disk);
+- the model's attention sizes (model.config, or a local model folder's config.json): the hidden size a
+  multiple of the heads (n_embd/n_head, hidden_size/num_attention_heads), the heads a multiple of
+  num_key_value_heads; task: infer, mode generate: infer.max_new_tokens below the model's positions
+  (n_positions, max_position_embeddings), so that a prompt fits;
 - task: infer: every row of infer.input is valid (hpcgpu/infer_rows.py, the reader the job uses: the
   first bad row as file:line; rows with "messages" need a tokenizer with a chat template), a local model
   folder holds a config.json and a tokenizer, infer.max_memory is readable, model.quantization can run
@@ -79,7 +84,30 @@ def input_problem(key: str, value: str) -> str | None:
         return f"{key}: {value} is a folder, not a .jsonl or .txt file"
     if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
         return f"cannot read {key}: {value}: permission denied"
+    if key in ("data.train", "data.eval") and is_dir:
+        return data_folder_problem(key, value)
     return None
+
+
+# the prepared-dataset files (hpcgpu/data/format.py's MANIFEST and TOKENS: that module imports numpy)
+MANIFEST, TOKENS = "manifest.json", "tokens.bin"
+
+
+def data_folder_problem(key: str, value: str) -> str | None:
+    """A data.train/data.eval folder the job could not read, as the job tells (hpcgpu.data's
+    open_training_data): one meant as a prepared dataset (tokens.bin) without its manifest, written last,
+    is incomplete; any other folder is raw data and needs parquet/arrow files or Dataset.save_to_disk's
+    state.json (hpcgpu/data/sources.py)."""
+    path = Path(value).expanduser()
+    if (path / MANIFEST).exists():
+        return None  # prepared: its data.format is checked with the rows, the rest by the job's reader
+    if (path / TOKENS).exists():
+        return f"{key}: {value}: not a complete prepared dataset (no {MANIFEST}); run hpcgpu data prepare again"
+    if (path / "state.json").is_file() or any(path.rglob("*.parquet")) or any(path.rglob("*.arrow")):
+        return None
+    return (f"{key}: {value}: a folder with no .parquet or .arrow files (and no state.json of "
+            f"Dataset.save_to_disk), and not a prepared dataset (no {MANIFEST}); give a .txt, .jsonl, .parquet "
+            "or .arrow file, such a folder, or one hpcgpu data prepare wrote")
 
 
 def input_problems(spec: Spec) -> list[str]:
@@ -205,7 +233,7 @@ def data_format_problem(spec: Spec) -> str | None:
 
 def prepared_format_problem(value: str, data_format: str) -> str | None:
     """A prepared folder (one with a manifest) must have been prepared with data.format."""
-    manifest_path = Path(value).expanduser() / "manifest.json"
+    manifest_path = Path(value).expanduser() / MANIFEST
     if not manifest_path.is_file():
         return None
     try:
@@ -319,6 +347,85 @@ def model_type_problem(spec: Spec) -> str | None:
     close = difflib.get_close_matches(model_type, sorted(known), n=3, cutoff=0.6)
     hint = f"did you mean {', '.join(close)}?" if close else "no close match"
     return f"unknown model type {model_type!r} (transformers {version} knows {len(known)}; {hint})"
+
+
+# --- the model's shape ---------------------------------------------------------------------------
+
+def model_config_of(spec: Spec) -> tuple[str, str, dict[str, Any]] | None:
+    """(where, prefix, config): the model's (text) config as the job builds it, read without transformers:
+    a local model folder's config.json (the job loads model.name_or_path first), else model.config; the
+    text_config of a multimodal one (the job's get_text_config). None for a hub id, or a folder without
+    a readable config.json (the input and infer checks name that)."""
+    name = spec.model.name_or_path
+    if name:
+        if not is_local_path(name, Path.cwd()):
+            return None
+        path = Path(name).expanduser() / "config.json"
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        where = f"model.name_or_path: {path}"
+    else:
+        cfg, where = spec.model.config, "model.config"
+    if not isinstance(cfg, dict):
+        return None
+    if isinstance(cfg.get("text_config"), dict):
+        return where, "text_config.", cfg["text_config"]
+    return where, "", cfg
+
+
+def config_int(cfg: Mapping[str, Any], *keys: str) -> tuple[str, int] | None:
+    """The first of `keys` the config sets to a positive whole number, as (key, value)."""
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
+# model types whose attention transformers (5.24) refuses to build when the hidden size is not a multiple
+# of the heads; qwen2, mistral, mixtral, qwen3, gemma, olmo, starcoder2 and granite build and run
+HEAD_DIM_FROM_HIDDEN = frozenset({"gpt2", "llama", "gpt_neox", "falcon", "gptj", "bloom", "opt"})
+
+
+def attention_problem(spec: Spec) -> str | None:
+    """Attention sizes that do not divide, which transformers refuses when it builds the model
+    (HEAD_DIM_FROM_HIDDEN): the hidden size over the heads (gpt2's n_embd/n_head, hidden_size/
+    num_attention_heads of the others), the query heads over the key/value heads (num_key_value_heads,
+    where set). A config that sets head_dim sizes its heads itself (qwen3, gemma, mistral save one):
+    its hidden size is not checked."""
+    found = model_config_of(spec)
+    if found is None:
+        return None
+    where, prefix, cfg = found
+    hidden = config_int(cfg, "n_embd", "hidden_size")
+    heads = config_int(cfg, "n_head", "num_attention_heads")
+    own_head_dim = hidden is not None and hidden[0] == "hidden_size" and config_int(cfg, "head_dim") is not None
+    refused = cfg.get("model_type") in HEAD_DIM_FROM_HIDDEN  # others (qwen2, mistral, ...) build and run
+    if hidden and heads and hidden[1] % heads[1] and refused and not own_head_dim:
+        return (f"{where}: {prefix}{hidden[0]} {hidden[1]} is not divisible by {prefix}{heads[0]} {heads[1]}; "
+                f"make {hidden[0]} a multiple of {heads[0]}")
+    kv = config_int(cfg, "num_key_value_heads")
+    if heads and kv and heads[1] % kv[1]:
+        return (f"{where}: {prefix}{heads[0]} {heads[1]} is not divisible by {prefix}{kv[0]} {kv[1]}; "
+                f"make {heads[0]} a multiple of {kv[0]}")
+    return None
+
+
+def positions_problem(spec: Spec) -> str | None:
+    """task: infer, mode generate: every row is its prompt (a token at least) + max_new_tokens, inside the
+    model's positions (the job checks each row: runtime/tasks/infer.py check_rows_fit)."""
+    if spec.task != "infer" or spec.infer.mode != "generate":
+        return None
+    found = model_config_of(spec)
+    positions = found and config_int(found[2], "n_positions", "max_position_embeddings")
+    if not positions or spec.infer.max_new_tokens < positions[1]:
+        return None
+    where, prefix, _ = found
+    return (f"infer.max_new_tokens: {spec.infer.max_new_tokens} leaves no room for a prompt in the model's "
+            f"{positions[1]} positions ({prefix}{positions[0]}, {where}); lower it to leave room for the "
+            "longest prompt")
 
 
 # --- runs_dir -------------------------------------------------------------------------------------
@@ -452,6 +559,12 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
         problem = model_type_problem(one)
         if problem:
             raise SpecError("model.config.model_type", problem)
+        model_key = ("model", repr((one.model.name_or_path, one.model.config)))
+        if model_key not in seen:  # a sweep's tasks share the model: read its config once
+            seen.add(model_key)
+            problem = attention_problem(one)
+            if problem:
+                raise SpecError("", problem)
         problem = tracker_package_problem(one)
         if problem:
             raise SpecError("", problem)
@@ -470,6 +583,9 @@ def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: 
                     problem = check(one)
                     if problem:
                         raise SpecError("", problem)
+            problem = positions_problem(one)
+            if problem:
+                raise SpecError("", problem)
     for runs_dir in dict.fromkeys(one.runs_dir for one in specs):
         problem = runs_dir_problem(next(one for one in specs if one.runs_dir == runs_dir))
         if problem:

@@ -529,3 +529,121 @@ def test_trackers_on_a_command_task_are_a_warning_not_silence(tmp_path):
     assert done.stderr == ("hpcgpu: warning: track: task: command has no trackers (your program logs its own); "
                            "it is ignored\n")
     assert hpcgpu("validate", str(CONFIGS / "hello-command.yaml"), cwd=tmp_path).stderr == ""
+
+
+# --- attention sizes, incomplete data folders, max_new_tokens past the model's positions ----------
+
+def tiny_gpt2(tmp_path: Path, *sets: str):
+    return load_spec(CONFIGS / "tiny-gpt2.yaml", [f"runs_dir={tmp_path / 'runs'}", *sets])
+
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 96, "intermediate_size": 64,
+         "num_attention_heads": 8, "vocab_size": 256}
+BAD_HEADS = {  # (model.config, or a local folder's config.json), the words of the line
+    "gpt2": ({**TINY, "n_head": 3}, "n_embd 32 is not divisible by n_head 3; make n_embd a multiple of n_head"),
+    "llama": ({**LLAMA, "num_attention_heads": 5}, "hidden_size 96 is not divisible by num_attention_heads 5"),
+    "kv-heads": ({**LLAMA, "num_key_value_heads": 3},
+                 "num_attention_heads 8 is not divisible by num_key_value_heads 3"),
+}
+
+
+def test_the_attention_sizes_of_model_config_are_checked_by_validate(tmp_path):
+    """validate said ok here, and the job died in transformers' config (a ValueError)."""
+    done = hpcgpu("validate", str(CONFIGS / "tiny-gpt2.yaml"), "--set", "model.config.n_head=3",
+                  "--set", f"runs_dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert one_error_line(done) == ("hpcgpu: error: model.config: n_embd 128 is not divisible by n_head 3; "
+                                    "make n_embd a multiple of n_head")
+    checks.check_host(tiny_gpt2(tmp_path, "model.config.n_head=8"))
+
+
+@pytest.mark.parametrize("source", ["model.config", "folder"])
+@pytest.mark.parametrize("case", list(BAD_HEADS))
+def test_attention_sizes_that_cannot_work_are_one_line(tmp_path, case, source):
+    from hpcgpu.errors import SpecError
+
+    config, words = BAD_HEADS[case]
+    if source == "folder":
+        folder = model_dir(tmp_path, "model.safetensors")
+        (folder / "config.json").write_text(json.dumps(config))
+        model, where = {"name_or_path": str(folder)}, f"model.name_or_path: {folder / 'config.json'}: "
+    else:
+        model, where = {"config": config}, "model.config: "
+    spec = load_spec(write(tmp_path, train_doc(tmp_path, model=model)))
+    with pytest.raises(SpecError) as err:
+        checks.check_host(spec)
+    assert str(err.value).startswith(where + words), str(err.value)
+
+
+def test_attention_sizes_that_divide_pass_and_a_text_config_is_what_counts(tmp_path):
+    for config in ({**LLAMA, "num_key_value_heads": 2}, {**LLAMA, "num_attention_heads": 5, "head_dim": 32},
+                   {**LLAMA, "text_config": {"hidden_size": 64, "num_attention_heads": 4}}):
+        checks.check_host(load_spec(write(tmp_path, train_doc(tmp_path, model={"config": config}))))
+    # a model type whose attention takes a hidden size the heads do not divide builds and runs: passes
+    checks.check_host(load_spec(write(tmp_path, train_doc(tmp_path, model={"config": {
+        **LLAMA, "model_type": "qwen2", "num_attention_heads": 5, "num_key_value_heads": 5}}))))
+    # a multimodal config: its text part is what the job's model uses
+    spec = load_spec(write(tmp_path, train_doc(tmp_path, model={"config": {
+        **LLAMA, "text_config": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 3}}})))
+    with pytest.raises(Exception, match=r"model\.config: text_config\.hidden_size 64 is not divisible by "
+                                        r"text_config\.num_attention_heads 3"):
+        checks.check_host(spec)
+
+
+@pytest.mark.parametrize("key", ["data.train", "data.eval"])
+@pytest.mark.parametrize("case", ["no-manifest", "empty"])
+def test_a_data_folder_the_job_cannot_read_is_one_line(tmp_path, case, key):
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    if case == "no-manifest":  # an interrupted copy of a prepared dataset: the manifest is written last
+        (folder / "tokens.bin").write_bytes(b"\0\0")
+        (folder / "docs.npy").write_bytes(b"")
+        words = f"{key}: {folder}: not a complete prepared dataset (no manifest.json); run hpcgpu data prepare again"
+    else:
+        words = f"{key}: {folder}: a folder with no .parquet or .arrow files"
+    over = {"train": str(folder)} if key == "data.train" else {"train": EVAL_TEXT, "eval": str(folder)}
+    spec = write(tmp_path, train_doc(tmp_path, data={**over, "seq_len": 32}))
+    assert one_error_line(hpcgpu("validate", str(spec), cwd=tmp_path)).startswith(f"hpcgpu: error: {words}")
+    # what the job reads from a folder passes: a prepared one (its manifest), parquet files, save_to_disk
+    (folder / "manifest.json").write_text(json.dumps({"format": "hpcgpu-prepared"}))
+    checks.check_host(load_spec(spec))
+    for name in ("part-0.parquet", "state.json"):
+        for made in folder.iterdir():
+            made.unlink()
+        (folder / name).write_text("{}")
+        checks.check_host(load_spec(spec))
+
+
+def infer_model(tmp_path: Path, config: dict) -> Path:
+    folder = model_dir(tmp_path / "m", "tokenizer.json", "chat_template.jinja", "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("command", ["validate", "submit-local"])
+def test_max_new_tokens_past_the_model_s_positions_is_one_line(tmp_path, command):
+    folder = infer_model(tmp_path, {**TINY, "n_positions": 512})
+    sets = ["--set", f"model.name_or_path={folder}", "--set", f"runs_dir={tmp_path / 'runs'}"]
+    done = hpcgpu(*COMMANDS[command], str(CONFIGS / "tiny-infer.yaml"), *sets, "--set", "infer.max_new_tokens=600",
+                  cwd=tmp_path)
+    one_error_line(done, "infer.max_new_tokens: 600 leaves no room for a prompt in the model's 512 positions",
+                   f"(n_positions, model.name_or_path: {folder / 'config.json'})")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_max_new_tokens_below_the_positions_or_scoring_passes(tmp_path):
+    from hpcgpu.errors import SpecError
+
+    folder = infer_model(tmp_path, {**LLAMA, "max_position_embeddings": 512})
+    base = [f"runs_dir={tmp_path / 'runs'}", f"model.name_or_path={folder}"]
+    with pytest.raises(SpecError, match=r"max_new_tokens: 512 .* 512 positions \(max_position_embeddings, "):
+        checks.check_host(load_spec(CONFIGS / "tiny-infer.yaml", [*base, "infer.max_new_tokens=512"]))
+    checks.check_host(load_spec(CONFIGS / "tiny-infer.yaml", [*base, "infer.max_new_tokens=511"]))
+    (tmp_path / "texts.jsonl").write_text('{"id": 1, "text": "x"}\n')
+    checks.check_host(load_spec(CONFIGS / "tiny-infer.yaml", [*base, "infer.max_new_tokens=600", "infer.mode=score",
+                                                              f"infer.input={tmp_path / 'texts.jsonl'}"]))
+    # model.config: the byte-level tokenizer has no chat template, so a "prompt" input
+    (tmp_path / "prompts.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
+    doc = infer_doc(tmp_path, rows=None, input_name=str(tmp_path / "prompts.jsonl"), max_new_tokens=64)
+    doc["model"] = {"config": dict(TINY)}  # n_positions 64
+    with pytest.raises(SpecError, match=r"max_new_tokens: 64 .* 64 positions \(n_positions, model.config\)"):
+        checks.check_host(load_spec(write(tmp_path, doc)))
