@@ -26,7 +26,7 @@ from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch import runlock
 from hpcgpu.launch.local import check_fits_here
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import find_unfinished_run, make_run_dir, write_atomic
+from hpcgpu.launch.rundir import find_finished_run, find_unfinished_run, make_run_dir, write_atomic
 from hpcgpu.launch.scheduler import format_duration
 from hpcgpu.launch.sweep import SweepTask, write_sweep
 from hpcgpu.spec import Spec, dump_spec
@@ -196,6 +196,9 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
             held.enter_context(runlock.hold(run_dir))  # RunDirLocked if one took it just now
             say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
         else:
+            finished = None if fresh else find_finished_run(spec)
+            if finished is not None:  # the queue skips such a line; submit runs again, and says so
+                say(f"the same spec finished in {finished}; starting a new run")
             for attempt in range(3):
                 run_dir = make_run_dir(spec)
                 try:  # locked from here until the ranks have ended (the executor holds it too)

@@ -340,13 +340,16 @@ def test_local_executor_records_jobs_and_sweeps(tmp_path):
     env = env_without_debug(HPCGPU_REGISTRY=str(db), CUDA_VISIBLE_DEVICES="")
     done = hpcgpu("submit", str(spec), "--executor", "local", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "job local-1 (local), run dir " in done.stderr
+    assert "job local-1 (local), run dir " in done.stderr and "finished in" not in done.stderr
+    again = hpcgpu("submit", str(spec), "--executor", "local", env=env, cwd=tmp_path)
+    first_dir = done.stderr.split("run dir ")[1].split()[0].rstrip(",;")
+    assert again.returncode == 0 and f"the same spec finished in {first_dir}; starting a new run" in again.stderr
     # a second apiece: the tasks' own times show apart from the sweep's
     spec.write_text(spec.read_text().replace("import os;", "import os, time; time.sleep(1.2);"))
     done = hpcgpu("submit", str(spec), "--executor", "local", "--sweep", "train.seed=1,2", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     reg = Registry(db)
-    single, sweep = reg.find("local-1")[0], reg.find("local-2")[0]
+    single, sweep = reg.find("local-1")[0], reg.find("local-3")[0]
     assert single.state == "COMPLETED" and single.exit_code == 0 and single.pid and single.ended
     assert single.nodes == socket.gethostname()  # where it ran: `-` is for a job that holds no node
     assert sweep.state == "COMPLETED" and [t.state for t in sweep.tasks] == ["COMPLETED", "COMPLETED"]
@@ -354,7 +357,7 @@ def test_local_executor_records_jobs_and_sweeps(tmp_path):
     assert yaml.safe_load((Path(sweep.tasks[1].run_dir) / "spec.yaml").read_text())["train"]["seed"] == 2
     # each task's own node and time, not the whole sweep's (each showed the sweep's elapsed time)
     assert [t.nodes for t in sweep.tasks] == [socket.gethostname()] * 2
-    view = json.loads(hpcgpu("status", "local-2", "--json", env=env, cwd=tmp_path).stdout)
+    view = json.loads(hpcgpu("status", "local-3", "--json", env=env, cwd=tmp_path).stdout)
     tasks_s = [t["elapsed_s"] for t in view["tasks"]]
     assert all(s >= 1 for s in tasks_s) and sum(tasks_s) <= view["elapsed_s"] + 1, (tasks_s, view["elapsed_s"])
 
