@@ -363,9 +363,11 @@ class Queue:
     def _ended_line(self, r: QueueResult, seconds: float, retry: bool) -> str:
         from hpcgpu.launch.jobs import stop_summary
 
-        how = {"COMPLETED": "finished", "CANCELLED": f"cancelled ({r.error or 'hpcgpu cancel'})",
-               "STOPPED": stop_summary(r.run_dir) if r.run_dir else "stopped at a checkpoint"}.get(
-                   r.state, f"failed (exit {r.exit_code})")
+        if r.state == "STOPPED":
+            how = stop_summary(r.run_dir) if r.run_dir else "stopped at a checkpoint"
+        else:
+            how = {"COMPLETED": "finished", "CANCELLED": f"cancelled ({r.error or 'hpcgpu cancel'})"}.get(
+                r.state, f"failed (exit {r.exit_code})")
         line = (f"[line {r.entry.line}] {r.entry.name}: {how} in {seconds:.1f} s; job {r.job_id or '?'}, "
                 f"run dir {r.run_dir or '?'}" + (f"; {r.error}" if r.state == "FAILED" and r.error else ""))
         return line + (f"; retrying (attempt {r.attempts + 1} of {self.retries + 1})" if retry else "")
