@@ -482,6 +482,21 @@ def steps_per_s(records: list[dict]) -> float | None:
     return 1000.0 / ms if isinstance(ms, (int, float)) and ms > 0 else None
 
 
+WRITTEN_ROWS_MAX_BYTES = 64 << 20  # counted while status stays quick; a larger output keeps its record's count
+
+
+def written_rows(run_dir: str | Path) -> int | None:
+    """task: infer: the complete rows its replicas have written (the lines of outputs/replica-*.jsonl;
+    a row cut by a kill has no newline yet), or None where they are too large to count here."""
+    files = sorted((Path(run_dir) / "outputs").glob("replica-*.jsonl"))
+    try:
+        if not files or sum(f.stat().st_size for f in files) > WRITTEN_ROWS_MAX_BYTES:
+            return None
+        return sum(f.read_bytes().count(b"\n") for f in files)
+    except OSError:
+        return None
+
+
 def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
     """The last progress record of metrics.jsonl ({"kind": "train"}; task: infer, "infer" or its
     "end"), reading only the end of the file."""
@@ -492,8 +507,10 @@ def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> Progress:
             return Progress(record.get("step"), record.get("loss"), max_steps=record.get("max_steps"),
                             tokens_per_s=record.get("tokens_per_s"), rate=steps_per_s(records))
         if kind == "infer":
-            return Progress(rows=record.get("rows"), rows_total=record.get("rows_total"),
-                            rate=record.get("rows_per_s"))
+            rows, on_disk = record.get("rows"), written_rows(run_dir)
+            if isinstance(rows, int) and on_disk is not None:
+                rows = max(rows, on_disk)  # the record is up to a progress interval old, or a kill's last
+            return Progress(rows=rows, rows_total=record.get("rows_total"), rate=record.get("rows_per_s"))
         if kind == "end" and "rows" in record:
             return Progress(rows=record["rows"], rows_total=record["rows"])
     return Progress()

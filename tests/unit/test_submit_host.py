@@ -193,6 +193,17 @@ def test_eta_comes_from_the_rate_since_the_last_start(tmp_path):
     assert last_progress(tmp_path).eta_s() == pytest.approx(30.0)
 
 
+def test_infer_rows_are_the_rows_written_when_the_last_record_is_older(tmp_path):
+    """A SIGKILLed infer job: its last progress record said 8 rows; its replicas had written 164 (and
+    cut one in half), which is what a resume keeps."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "infer", "rows": 8, "rows_total": 400}) + "\n")
+    (tmp_path / "outputs").mkdir()
+    for n, count in ((0, 82), (1, 82)):
+        rows = "".join(json.dumps({"index": i, "text": "x"}) + "\n" for i in range(count))
+        (tmp_path / "outputs" / f"replica-{n}.jsonl").write_text(rows + ('{"index": 99, "te' if n else ""))
+    assert last_progress(tmp_path).text() == "rows 164/400"
+
+
 def test_status_of_an_infer_run_gives_rows_done_of_total(tmp_path):
     from hpcgpu.cli.jobs import step_cell
 
