@@ -211,9 +211,7 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
     """Print JOB's output: slurm-<id>.out/.err in its run dir, or a local job's logs/rank-N.log."""
     registry = Registry()
     job, task = find_job(registry, job_ref)
-    if job.is_array and task is None:
-        raise UsageError(f"job {job.job_id} is an array of {len(job.tasks)} tasks: name one, "
-                         f"e.g. hpcgpu logs {job.tasks[0].id}")
+    one_unit(job, task, "logs")
     if rank is not None:
         check_rank(job_ref, Path((task or job).run_dir), rank)
     files = log_files(job, task, rank)
@@ -236,6 +234,14 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
                 print_new(offsets, emit, whole_lines=True)
     except KeyboardInterrupt:
         return
+
+
+def one_unit(job: JobRecord, task: TaskRecord | None, command: str) -> JobRecord | TaskRecord:
+    """The job, or the array task named: a command about one run refuses a whole array in one line."""
+    if job.is_array and task is None:
+        raise UsageError(f"job {job.job_id} is an array of {len(job.tasks)} tasks: name one, "
+                         f"e.g. hpcgpu {command} {job.tasks[0].id}")
+    return task or job
 
 
 def check_rank(job_ref: str, run_dir: Path, rank: int) -> None:

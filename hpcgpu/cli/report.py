@@ -45,6 +45,7 @@ def job_run_dir(ref: str) -> str:
     """RUN_DIR as given, or the run dir of the job (or array task) with that id in the registry."""
     if Path(ref).exists() or Path(ref).is_absolute() or "/" in ref:
         return ref
+    from hpcgpu.cli.jobs import one_unit
     from hpcgpu.errors import HpcgpuError
     from hpcgpu.launch.jobs import find_job
     from hpcgpu.launch.registry import Registry
@@ -53,9 +54,7 @@ def job_run_dir(ref: str) -> str:
         job, task = find_job(Registry(), ref)
     except HpcgpuError:
         return ref  # neither a folder nor a job: the report says the folder is missing
-    if job.is_array and task is None:
-        raise UsageError(f"{ref} is an array: report one task's run ({job.tasks[0].id}, ...) or a run dir")
-    return (task or job).run_dir
+    return one_unit(job, task, "report").run_dir
 
 
 PLOT_FORMATS = (".png", ".pdf", ".svg")
