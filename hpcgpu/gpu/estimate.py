@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcgpu.errors import HpcgpuError, SpecError
+from hpcgpu.gpu.model_types import model_type_problem
 
 if TYPE_CHECKING:
     from hpcgpu.spec import Spec
@@ -215,8 +216,6 @@ def model_config(spec: Spec) -> Any:
 def unknown_model_type(spec: Spec) -> HpcgpuError | None:
     """validate's line for a model.config.model_type transformers does not know, or None."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    from hpcgpu.launch.checks import model_type_problem
 
     model_type = None if spec.model.name_or_path else (spec.model.config or {}).get("model_type")
     if model_type is None or isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import CONFIGS, REPO
+from hpcgpu.gpu import model_types
 from hpcgpu.launch import checks
 from hpcgpu.spec import load_spec
 
@@ -127,29 +128,29 @@ def test_an_unknown_model_type_is_one_short_line_with_close_matches(tmp_path, co
 
 def test_model_types_come_from_a_subprocess_cached_per_transformers_version(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    checks.known_model_types.cache_clear()
-    version = checks.transformers_version()
+    model_types.known_model_types.cache_clear()
+    version = model_types.transformers_version()
     assert version, "transformers is installed in the test environment"
-    known = checks.known_model_types(version)
+    known = model_types.known_model_types(version)
     assert known and {"gpt2", "llama"} <= known
     cached = tmp_path / "cache" / "hpcgpu" / f"model-types-transformers-{version}.json"
     assert set(json.loads(cached.read_text())) == known
     # the next command reads the file and starts no interpreter
-    checks.known_model_types.cache_clear()
+    model_types.known_model_types.cache_clear()
 
     def no_subprocess(*args, **kwargs):
         raise AssertionError("asked transformers again although the cache holds the answer")
 
-    monkeypatch.setattr(checks.subprocess, "run", no_subprocess)
-    assert checks.known_model_types(version) == known
+    monkeypatch.setattr(model_types.subprocess, "run", no_subprocess)
+    assert model_types.known_model_types(version) == known
     # another transformers version is asked again, into a file of its own
-    checks.known_model_types.cache_clear()
+    model_types.known_model_types.cache_clear()
     asked = []
-    monkeypatch.setattr(checks.subprocess, "run", lambda *a, **k: asked.append(a) or subprocess.CompletedProcess(
+    monkeypatch.setattr(model_types.subprocess, "run", lambda *a, **k: asked.append(a) or subprocess.CompletedProcess(
         a, 0, '\n["only_this"]\n', ""))
-    assert checks.known_model_types("0.0.1") == {"only_this"}
+    assert model_types.known_model_types("0.0.1") == {"only_this"}
     assert len(asked) == 1 and (cached.parent / "model-types-transformers-0.0.1.json").exists()
-    checks.known_model_types.cache_clear()
+    model_types.known_model_types.cache_clear()
 
 
 def test_without_transformers_the_model_type_is_not_checked(tmp_path, monkeypatch):
