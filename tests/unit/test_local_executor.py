@@ -146,7 +146,7 @@ def test_ranks_agree_on_the_smallest_value(tmp_path: Path) -> None:
                          ids=["two-ranks-share", "omp-decides", "one-rank-gets-its-cpus"])
 def test_cpu_ranks_on_one_machine_share_its_cores(tmp_path: Path, ranks: int, cpus: int | str,
                                                   omp: str | None) -> None:
-    """README's thread rule: a rank runs SLURM_CPUS_PER_TASK (cpus_per_gpu) torch threads; CPU ranks
+    """The thread rule of docs/running.md: a rank runs SLURM_CPUS_PER_TASK (cpus_per_gpu) torch threads; CPU ranks
     sharing the machine take at most their share of its cores, and say so (oversubscribed OpenMP
     threads wait for each other); OMP_NUM_THREADS, where set, decides."""
     cores = os.cpu_count() or 1
