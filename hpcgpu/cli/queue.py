@@ -22,15 +22,16 @@ from pathlib import Path
 
 import click
 
-from hpcgpu.cli.options import ignore_busy_option, read_spec, spec_options
-from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.cli.options import ignore_busy_option, spec_options
 from hpcgpu.cli.table import format_table
-from hpcgpu.gpu.busy import BusyThresholds, strictest
+from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, select, strictest, usage_text
+from hpcgpu.gpu.source import default_source
 from hpcgpu.launch.queue import (GpuPool, GpuWatch, Queue, QueueEntry, exit_code, local_starter,
                                  queue_file_lines, summary_rows)
 from hpcgpu.launch.registry import Registry
-from hpcgpu.launch.rundir import find_finished_run, missing_inputs
-from hpcgpu.launch.sweep import sweep_tasks, with_sweep
+from hpcgpu.launch.resolve import QUEUE, read_resolved
+from hpcgpu.launch.rundir import find_finished_run
 from hpcgpu.spec import Spec
 
 
@@ -47,22 +48,22 @@ def _line(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: i
 
 def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
     """One line's jobs: one, or one per point of a sweep (its `sweep:` or --sweep flags). The spec
-    is read here, once; the jobs run the resolved specs (a sweep point's as sweep_tasks made it)."""
+    is read and resolved here, once, as `hpcgpu submit --executor local` would (hpcgpu/launch/resolve.py);
+    the jobs run the resolved specs."""
     where = f"{queue_file}:{line}"
     try:
         params = _line.main(args=shlex.split(text), prog_name=where, standalone_mode=False)
         spec_path = Path(params["spec_file"])
         if not spec_path.is_absolute():
             spec_path = queue_file.parent / spec_path
-        spec = with_sweep(read_spec(str(spec_path), params["overrides"], params["gpus"], params["nodes"]),
-                          params["sweeps"])
-        tasks = sweep_tasks(spec)
-        if not tasks:
-            return [point_entry(where, line, spec_path, params, spec)]
+        resolved = read_resolved(str(spec_path), params["overrides"], params["gpus"], params["nodes"],
+                                 params["sweeps"], QUEUE, say=lambda message: click.echo(f"hpcgpu: {message}", err=True))
+        if not resolved.tasks:
+            return [point_entry(where, line, spec_path, params, resolved.spec)]
         # each point shown as the --set overrides that would give its spec
         return [point_entry(where, line, spec_path, params, task.spec, task.label(),
                             tuple(f"{k}={json.dumps(v)}" for k, v in task.values.items()) + ("sweep={}",))
-                for task in tasks]
+                for task in resolved.tasks]
     except (ValueError, click.ClickException) as exc:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         raise UsageError(f"{where}: {message} (a line is: SPEC [--gpus N] [--set K=V]... [--sweep K=V1,V2] "
@@ -78,9 +79,6 @@ def point_entry(where: str, line: int, spec_path: Path, params: dict, spec: Spec
     """The job of one line (or of one sweep point), checked."""
     if spec.resources.nodes > 1:
         raise UsageError(f"{where}: the queue runs jobs on this machine: drop --nodes / resources.nodes > 1")
-    missing = missing_inputs(spec)
-    if missing:
-        raise UsageError(f"{where}: file not found: {missing[0]}")
     spec_ref = str(spec_path.resolve())
     argv = [spec_ref] + [a for kv in tuple(params["overrides"]) + extra for a in ("--set", kv)]
     argv += [f"--gpus={params['gpus']}"] if params["gpus"] else []
@@ -133,9 +131,6 @@ def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThres
     """The GPUs the queue may use and notes about the busy ones (waiting until free, or used with
     --ignore-busy: with their processes and memory). Busy ones stay in the pool, watched: each is
     used once free in `free_checks` readings in a row. ids None: no GPU, CPU mode."""
-    from hpcgpu.gpu.busy import busy_reasons, select, usage_text
-    from hpcgpu.gpu.source import default_source
-
     if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         return GpuPool(None), []  # GPUs hidden on purpose: the CPU it is
     source = default_source()

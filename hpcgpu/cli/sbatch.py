@@ -6,12 +6,12 @@ from pathlib import Path
 
 import click
 
-from hpcgpu.cli.options import read_spec, spec_options
+from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import UsageError
-from hpcgpu.launch.checks import check_host
-from hpcgpu.launch.replicas import resolve_gpus_per_replica
+from hpcgpu.launch.resolve import SBATCH, resolve
 from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_dir_error, write_atomic
 from hpcgpu.launch.sbatch import render_sbatch
+from hpcgpu.spec import load_spec
 
 
 @click.command()
@@ -21,7 +21,7 @@ from hpcgpu.launch.sbatch import render_sbatch
 def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None,
            output: str | None) -> None:
     """Write an sbatch script for SPEC; submit it with `sbatch FILE`."""
-    spec = read_spec(spec_file, overrides, gpus, nodes)
+    spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes)
     if spec.sweep:
         # one script is one job: rendering only the first point would silently drop the others
         raise UsageError(f"the spec sweeps {', '.join(spec.sweep)}: `hpcgpu submit` runs a sweep as one job "
@@ -29,9 +29,7 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     if output and Path(output).parent and not Path(output).parent.exists():
         raise UsageError(f"-o {output}: the folder {Path(output).parent} does not exist")
     # env_passthrough only warns: the script takes the values from the shell that runs `sbatch` later
-    check_host(spec, passthrough="warn", warn=lambda message: click.echo(f"hpcgpu: {message}", err=True),
-               when="in the shell that runs sbatch")
-    spec = resolve_gpus_per_replica(spec, local=False, say=lambda message: click.echo(f"hpcgpu: {message}", err=True))
+    spec = resolve(spec, SBATCH, say=lambda message: click.echo(f"hpcgpu: {message}", err=True)).spec
     run_dir = run_dir_path(spec)
     spec_path = run_dir / "spec.yaml"
     text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))

@@ -5,14 +5,13 @@ from pathlib import Path
 
 import click
 
-from hpcgpu.cli.options import ignore_busy_option, read_spec, spec_options
-from hpcgpu.errors import JobFailed
+from hpcgpu.cli.options import ignore_busy_option, spec_options
 from hpcgpu.contract import EXIT_STOPPED
-from hpcgpu.launch.jobs import log_files, stop_summary
+from hpcgpu.errors import JobFailed, SchedulerError
+from hpcgpu.launch import local_submit, submission
+from hpcgpu.launch.jobs import exit_status, log_files, stop_summary, wait_for
 from hpcgpu.launch.registry import JobRecord, Registry
-from hpcgpu.launch.checks import check_host
-from hpcgpu.launch.replicas import resolve_gpus_per_replica
-from hpcgpu.launch.sweep import sweep_tasks, with_sweep
+from hpcgpu.launch.resolve import Resolved, read_resolved, submit_use
 from hpcgpu.spec import Spec, dump_spec
 
 
@@ -36,31 +35,25 @@ def say(message: str) -> None:
 def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, executor: str,
            sweeps: tuple[str, ...], dry_run: bool, wait: bool, fresh: bool, ignore_busy: bool) -> int:
     """Submit SPEC to SLURM and return at once (job id, run dir, logs); --executor local runs it here."""
-    spec = with_sweep(read_spec(spec_file, overrides, gpus, nodes), sweeps)
     # what the job would fail on after its wait in the queue, found here (one line, exit 2)
-    check_host(spec, passthrough="warn" if dry_run else "error", slurm=executor == "slurm", warn=say)
-    spec = resolve_gpus_per_replica(spec, local=executor == "local", say=say)
+    resolved = read_resolved(spec_file, overrides, gpus, nodes, sweeps, submit_use(executor, dry_run), say)
     spec_ref = str(Path(spec_file).resolve())
     if executor == "local":
-        return run_here(spec, spec_ref, dry_run, fresh, ignore_busy)
-    return submit_slurm(spec, spec_ref, dry_run, wait)
+        return run_here(resolved, spec_ref, dry_run, fresh, ignore_busy)
+    return submit_slurm(resolved, spec_ref, dry_run, wait)
 
 
 # --- SLURM ----------------------------------------------------------------------------------------
 
-def submit_slurm(spec: Spec, spec_ref: str, dry_run: bool, wait: bool) -> int:
-    from hpcgpu.launch import submission
-
+def submit_slurm(resolved: Resolved, spec_ref: str, dry_run: bool, wait: bool) -> int:
     if dry_run:
-        return print_dry_run(spec)
+        return print_dry_run(resolved)
     registry = Registry()
-    records = submission.submit_to_slurm(spec, spec_ref, registry)
+    records = submission.submit_to_slurm(resolved.spec, resolved.tasks, spec_ref, registry)
     for record in records:
-        print_submitted(record, spec)
+        print_submitted(record, resolved.spec)
     if not wait:
         return 0
-    from hpcgpu.launch.jobs import exit_status, wait_for
-
     wait_for(registry, records, say)
     code = exit_status(records)
     if code:
@@ -69,11 +62,8 @@ def submit_slurm(spec: Spec, spec_ref: str, dry_run: bool, wait: bool) -> int:
     return 0
 
 
-def print_dry_run(spec: Spec) -> int:
-    from hpcgpu.launch import submission
-    from hpcgpu.errors import SchedulerError
-
-    tasks = sweep_tasks(spec)
+def print_dry_run(resolved: Resolved) -> int:
+    spec, tasks = resolved.spec, resolved.tasks
     try:
         submission.check_cluster(tasks[0].spec if tasks else spec)
     except SchedulerError as exc:  # no SLURM here: the script can still be shown
@@ -108,9 +98,9 @@ def print_submitted(record: JobRecord, spec: Spec) -> None:
 
 # --- local executor -------------------------------------------------------------------------------
 
-def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy: bool) -> int:
+def run_here(resolved: Resolved, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy: bool) -> int:
     """The local executor (hpcgpu/launch/local_submit.py) runs the job here; this prints."""
-    tasks = sweep_tasks(spec)
+    spec, tasks = resolved.spec, resolved.tasks
     if dry_run:
         click.echo(dump_spec(spec), nl=False)
         for task in tasks:
@@ -118,29 +108,37 @@ def run_here(spec: Spec, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy:
         click.echo(f"# would run {spec.world_size} local rank(s): python -m hpcgpu run <run dir>/spec.yaml"
                    + (f", for each of {len(tasks)} sweep tasks in turn" if tasks else ""))
         return 0
-    from hpcgpu.launch import local_submit
-
-    registry = Registry()
     if tasks:
-        def started_sweep(record: JobRecord) -> None:
-            click.echo(f"job {record.job_id} (local sweep of {len(tasks)} tasks), run dir {record.run_dir}", err=True)
+        return run_sweep_here(resolved, spec_ref, ignore_busy)
+    return run_one_here(spec, spec_ref, fresh, ignore_busy)
 
-        record = local_submit.submit_local_sweep(spec, tasks, spec_ref, registry, ignore_busy=ignore_busy,
-                                                 say=say, started=started_sweep)
-        worst = local_submit.exit_code(record)
-        if record.state == "CANCELLED":
-            click.echo(f"job {record.job_id} cancelled; `hpcgpu status {record.job_id}` shows its tasks", err=True)
-            return worst
-        if worst:
-            raise JobFailed(f"job {record.job_id}: a sweep task ended with exit code {worst}; `hpcgpu status "
-                            f"{record.job_id}` shows which", worst)
-        click.echo(f"job {record.job_id} completed; run dir {record.run_dir}", err=True)
-        return 0
 
+def run_sweep_here(resolved: Resolved, spec_ref: str, ignore_busy: bool) -> int:
+    """A sweep's tasks one after another here; exit with the worst task's code."""
+    count = len(resolved.tasks)
+
+    def started(record: JobRecord) -> None:
+        click.echo(f"job {record.job_id} (local sweep of {count} tasks), run dir {record.run_dir}", err=True)
+
+    record = local_submit.submit_local_sweep(resolved.spec, resolved.tasks, spec_ref, Registry(),
+                                             ignore_busy=ignore_busy, say=say, started=started)
+    worst = local_submit.exit_code(record)
+    if record.state == "CANCELLED":
+        click.echo(f"job {record.job_id} cancelled; `hpcgpu status {record.job_id}` shows its tasks", err=True)
+        return worst
+    if worst:
+        raise JobFailed(f"job {record.job_id}: a sweep task ended with exit code {worst}; `hpcgpu status "
+                        f"{record.job_id}` shows which", worst)
+    click.echo(f"job {record.job_id} completed; run dir {record.run_dir}", err=True)
+    return 0
+
+
+def run_one_here(spec: Spec, spec_ref: str, fresh: bool, ignore_busy: bool) -> int:
+    """One job here (resuming an unfinished run of the same spec unless --new); its end, on one line."""
     def started(record: JobRecord) -> None:
         click.echo(f"job {record.job_id} (local), run dir {record.run_dir}", err=True)
 
-    record = local_submit.submit_local(spec, spec_ref, registry, fresh=fresh, ignore_busy=ignore_busy, say=say,
+    record = local_submit.submit_local(spec, spec_ref, Registry(), fresh=fresh, ignore_busy=ignore_busy, say=say,
                                        started=started)
     code, job_id, run_dir = local_submit.exit_code(record), record.job_id, Path(record.run_dir)
     if code == EXIT_STOPPED:

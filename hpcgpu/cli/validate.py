@@ -1,13 +1,14 @@
 """`hpcgpu validate SPEC`: check a spec and print the resolved summary."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
-from hpcgpu.cli.options import read_spec, spec_options
-from hpcgpu.launch.checks import check_host
-from hpcgpu.launch.replicas import resolve_gpus_per_replica
-from hpcgpu.launch.sweep import check_one_script, sweep_tasks
+from hpcgpu.cli.options import spec_options
 from hpcgpu.launch.options import sbatch_options
+from hpcgpu.launch.resolve import VALIDATE, read_resolved
+from hpcgpu.launch.sweep import check_one_script
 from hpcgpu.spec import dump_spec
 from hpcgpu.spec.derive import fixed_max_steps
 
@@ -17,13 +18,12 @@ from hpcgpu.spec.derive import fixed_max_steps
 @click.option("--full", is_flag=True, help="Print the whole resolved spec as YAML.")
 def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, full: bool) -> None:
     """Check SPEC and print what it resolves to."""
-    spec = read_spec(spec_file, overrides, gpus, nodes)
     # input files, model type, runs_dir: what the job would fail on, found here
-    check_host(spec, warn=lambda message: click.echo(f"hpcgpu: {message}", err=True))
-    tasks = sweep_tasks(spec)
-    if tasks:
-        check_one_script(tasks)  # as `submit` to SLURM would refuse it: one job array shares one script
-    spec = resolve_gpus_per_replica(spec, local=False)
+    resolved = read_resolved(spec_file, overrides, gpus, nodes, use=VALIDATE,
+                             say=lambda message: click.echo(f"hpcgpu: {message}", err=True))
+    if resolved.tasks:
+        check_one_script(resolved.tasks)  # as `submit` to SLURM would refuse it: one job array shares one script
+    spec = resolved.spec
     r = spec.resources
     click.echo(f"{spec_file}: ok")
     click.echo(f"  name      {spec.name}")
@@ -45,7 +45,7 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
         click.echo(f"  command   {' '.join(spec.command or [])}")
     if spec.env_passthrough:
         click.echo(f"  from env  {' '.join(spec.env_passthrough)} (taken from the shell you submit from)")
-    opts = " ".join(f"--{k}" + ("" if v is None else f"={v}") for k, v in sbatch_options(spec, __import__('pathlib').Path("RUN_DIR")))
+    opts = " ".join(f"--{k}" + ("" if v is None else f"={v}") for k, v in sbatch_options(spec, Path("RUN_DIR")))
     click.echo(f"  sbatch    {opts}")
     if full:
         click.echo("---")

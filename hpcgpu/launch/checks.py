@@ -35,12 +35,14 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import urlparse
 
 from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.gpu.model_types import model_type_problem
 from hpcgpu.launch.registry import file_system_type
+from hpcgpu.launch.replicas import quantization_problem
 from hpcgpu.spec import Spec
 from hpcgpu.spec.load import export_drops, is_local_path
 
@@ -48,6 +50,10 @@ Warn = Callable[[str], None]
 
 
 # --- input files ----------------------------------------------------------------------------------
+
+# the keys that may name a local input file, in the order they are checked
+INPUT_KEYS = ("data.train", "data.eval", "distributed.deepspeed.config", "infer.input", "model.name_or_path")
+
 
 def input_paths(spec: Spec) -> list[tuple[str, str]]:
     """(key, path) of every local input the spec names; a hub id (gpt2, org/name) is not one."""
@@ -70,9 +76,9 @@ def input_problem(key: str, value: str) -> str | None:
         is_dir = path.is_dir()
         path.stat()
     except FileNotFoundError:
-        return f"file not found: {key}: {value}{hint}"
+        return f"{key}: file not found: {value}{hint}"
     except OSError as exc:
-        return f"cannot read {key}: {value}: {exc.strerror or exc}"
+        return f"{key}: cannot read {value}: {exc.strerror or exc}"
     if key == "model.name_or_path" and not is_dir:
         return f"{key}: {value} is a file; from_pretrained needs the model's folder"
     if key == "distributed.deepspeed.config" and is_dir:
@@ -80,7 +86,7 @@ def input_problem(key: str, value: str) -> str | None:
     if key == "infer.input" and is_dir:
         return f"{key}: {value} is a folder, not a .jsonl or .txt file"
     if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
-        return f"cannot read {key}: {value}: permission denied"
+        return f"{key}: cannot read {value}: permission denied"
     if key in ("data.train", "data.eval") and is_dir:
         return data_folder_problem(key, value)
     return None
@@ -108,7 +114,7 @@ def data_folder_problem(key: str, value: str) -> str | None:
 
 
 def input_problems(spec: Spec) -> list[str]:
-    """Problems with the spec's input files, one line each ('file not found: data.train: /x/t.txt')."""
+    """Problems with the spec's input files, one line each ('data.train: file not found: /x/t.txt')."""
     return [p for p in (input_problem(key, value) for key, value in input_paths(spec)) if p]
 
 
@@ -214,18 +220,27 @@ def infer_input_problem(spec: Spec) -> str | None:
 DATA_ROWS_CHECKED = 1000  # rows of a raw .jsonl read here; the job reads them all, with the same reader
 
 
-def data_format_problem(spec: Spec) -> str | None:
-    """The first problem of data.train/data.eval with data.format, or None (the files exist)."""
+def prepared_formats_problem(spec: Spec) -> str | None:
+    """task: train: a prepared data.train/data.eval folder of another data.format, or None."""
     if spec.task != "train":
         return None
-    for key, value in (("data.train", spec.data.train), ("data.eval", spec.data.eval)):
-        problem = value and (prepared_format_problem(value, spec.data.format)
-                             or example_rows_problem(key, value, spec.data.format))
-        if problem:
-            return problem
-    if spec.data.format == "chat":
-        return chat_template_problem(spec)
-    return None
+    return next((p for p in (prepared_format_problem(value, spec.data.format)
+                             for value in (spec.data.train, spec.data.eval) if value) if p), None)
+
+
+def data_rows_problem(spec: Spec, key: str) -> str | None:
+    """task: train: the first bad row of data.train or data.eval (`key`) for data.format, or None."""
+    value = spec.data.train if key == "data.train" else spec.data.eval
+    if spec.task != "train" or not value:
+        return None
+    return example_rows_problem(key, value, spec.data.format)
+
+
+def chat_data_problem(spec: Spec) -> str | None:
+    """task: train, data.format chat: the tokenizer needs a chat template."""
+    if spec.task != "train" or spec.data.format != "chat":
+        return None
+    return chat_template_problem(spec)
 
 
 def prepared_format_problem(value: str, data_format: str) -> str | None:
@@ -426,9 +441,17 @@ def wandb_enabled(spec: Spec) -> bool:
 def tracker_package_problem(spec: Spec, find: Finder = importlib.util.find_spec) -> str | None:
     """The trackers the spec enables need their packages in this Python (the job runs it); looked up
     with find_spec, never imported here."""
+    return tensorboard_package_problem(spec, find) or wandb_package_problem(spec, find)
+
+
+def tensorboard_package_problem(spec: Spec, find: Finder = importlib.util.find_spec) -> str | None:
     if spec.track.tensorboard and find("tensorboard") is None:
         return ("track.tensorboard: true needs the tensorboard package, which this Python does not have: "
                 "pip install 'hpcgpu[tensorboard]', or set track.tensorboard: false")
+    return None
+
+
+def wandb_package_problem(spec: Spec, find: Finder = importlib.util.find_spec) -> str | None:
     if wandb_enabled(spec) and find("wandb") is None:
         return ("track.wandb needs the wandb package, which this Python does not have: pip install "
                 "'hpcgpu[wandb]', or leave track.wandb out")
@@ -460,81 +483,145 @@ def netrc_has_machine(path: Path, host: str) -> bool:
     return any(word == "machine" and nxt == host for word, nxt in zip(words, words[1:]))
 
 
-# --- all together ---------------------------------------------------------------------------------
+# --- all together: a table of spec key -> check ------------------------------------------------
 
-def check_host(spec: Spec, passthrough: str = "skip", slurm: bool = True, warn: Warn | None = None,
-               environ: Mapping[str, str] | None = None, when: str = "before submitting") -> None:
-    """Raise a one-line SpecError for the first problem found here (every sweep task's spec is checked).
+@dataclass(frozen=True)
+class Here:
+    """Where the job will run, as the checks need it."""
 
-    passthrough: "error" (submit), "warn" (sbatch, --dry-run) or "skip" (validate); `when` tells the
-    user when the variables must be set.
-    """
-    from hpcgpu.launch.replicas import quantization_problem
-    from hpcgpu.launch.sweep import sweep_tasks
+    slurm: bool = True
+    environ: Mapping[str, str] | None = None
 
-    specs = [task.spec for task in sweep_tasks(spec)] or [spec]
-    seen: set[tuple[str, str]] = set()
-    for one in specs:
-        problem = quantization_problem(one, local=not slurm)  # what the spec asks for can run here at all
-        if problem:
-            raise SpecError("", problem)
-        for key, value in input_paths(one):
-            if (key, value) not in seen:
-                seen.add((key, value))
-                problem = input_problem(key, value)
-                if problem:
-                    raise SpecError("", problem)
-        problem = hub_model_problem(one, environ)
-        if problem:
-            raise SpecError("", problem)
-        problem = model_type_problem(one)
-        if problem:
-            raise SpecError("model.config.model_type", problem)
-        model_key = ("model", repr((one.model.name_or_path, one.model.config)))
-        if model_key not in seen:  # a sweep's tasks share the model: read its config once
-            seen.add(model_key)
-            problem = attention_problem(one)
+
+Problem = Callable[[Spec, Here], "str | None"]
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    """One check of one spec key. `shared` says what the tasks of a sweep share for it (they are read
+    once per value: a sweep over train.lr reads its data rows once); None checks every task."""
+
+    key: str
+    problem: Problem
+    shared: Callable[[Spec], object] | None = None
+
+
+def key_error(key: str, problem: str) -> SpecError:
+    """The error naming `key`. A problem text reads alone too (`hpcgpu data prepare` prints one), so it
+    may start with its key already: SpecError puts it there once."""
+    return SpecError(key, problem.removeprefix(f"{key}: "))
+
+
+def input_check(key: str) -> HostCheck:
+    """The input file a key names exists here and can be read (a hub id is no file)."""
+    def problem(spec: Spec, _: Here) -> str | None:
+        value = dict(input_paths(spec)).get(key)
+        return input_problem(key, value) if value else None
+
+    return HostCheck(key, problem, lambda spec: dict(input_paths(spec)).get(key))
+
+
+def _model(spec: Spec) -> object:
+    return repr((spec.model.name_or_path, spec.model.config))
+
+
+def _data(spec: Spec) -> object:
+    return repr((spec.task, spec.data.train, spec.data.eval, spec.data.format, spec.model.name_or_path))
+
+
+def _folder_attention(spec: Spec, _: Here) -> str | None:
+    return attention_problem(spec) if spec.model.name_or_path else None
+
+
+def _config_attention(spec: Spec, _: Here) -> str | None:
+    return None if spec.model.name_or_path else attention_problem(spec)
+
+
+def _infer(check: Callable[[Spec], str | None]) -> Problem:
+    return lambda spec, _: check(spec) if spec.task == "infer" else None
+
+
+# in this order: the first problem found is the one reported
+SPEC_CHECKS: tuple[HostCheck, ...] = (
+    HostCheck("model.quantization", lambda spec, here: quantization_problem(spec, local=not here.slurm)),
+    *(input_check(key) for key in INPUT_KEYS),
+    HostCheck("model.name_or_path", lambda spec, here: hub_model_problem(spec, here.environ)),
+    HostCheck("model.config.model_type", lambda spec, _: model_type_problem(spec)),
+    HostCheck("model.name_or_path", _folder_attention, _model),
+    HostCheck("model.config", _config_attention, _model),
+    HostCheck("track.tensorboard", lambda spec, _: tensorboard_package_problem(spec)),
+    HostCheck("track.wandb", lambda spec, _: wandb_package_problem(spec)),
+    HostCheck("data.format", lambda spec, _: prepared_formats_problem(spec), _data),
+    HostCheck("data.train", lambda spec, _: data_rows_problem(spec, "data.train"), _data),
+    HostCheck("data.eval", lambda spec, _: data_rows_problem(spec, "data.eval"), _data),
+    HostCheck("data.format", lambda spec, _: chat_data_problem(spec), _data),
+    HostCheck("model.name_or_path", _infer(infer_model_problem), lambda spec: (spec.task, spec.model.name_or_path)),
+    HostCheck("infer.max_memory", _infer(max_memory_problem), lambda spec: (spec.task, spec.infer.max_memory)),
+    HostCheck("infer.input", _infer(infer_input_problem), lambda spec: (spec.task, spec.infer.mode, spec.infer.input)),
+    HostCheck("infer.max_new_tokens", lambda spec, _: positions_problem(spec)),
+)
+
+
+def check_specs(specs: Sequence[Spec], here: Here) -> None:
+    """Raise the first problem of SPEC_CHECKS over the specs (a sweep's tasks), naming its key."""
+    seen: set[tuple[int, object]] = set()
+    for spec in specs:
+        for n, check in enumerate(SPEC_CHECKS):
+            if check.shared is not None:
+                if (n, check.shared(spec)) in seen:
+                    continue
+                seen.add((n, check.shared(spec)))
+            problem = check.problem(spec, here)
             if problem:
-                raise SpecError("", problem)
-        problem = tracker_package_problem(one)
-        if problem:
-            raise SpecError("", problem)
-        data_key = ("data", repr((one.task, one.data.train, one.data.eval, one.data.format, one.model.name_or_path)))
-        if data_key not in seen:  # a sweep's tasks share these: read the rows once
-            seen.add(data_key)
-            problem = data_format_problem(one)
-            if problem:
-                raise SpecError("", problem)
-        if one.task == "infer":
-            for key, check in ((f"model:{one.model.name_or_path}", infer_model_problem),
-                               (f"max_memory:{one.infer.max_memory}", max_memory_problem),
-                               (f"rows:{one.infer.mode}:{one.infer.input}", infer_input_problem)):
-                if ("infer", key) not in seen:  # a sweep's tasks share these: read the input once
-                    seen.add(("infer", key))
-                    problem = check(one)
-                    if problem:
-                        raise SpecError("", problem)
-            problem = positions_problem(one)
-            if problem:
-                raise SpecError("", problem)
+                raise key_error(check.key, problem)
+
+
+def check_runs_dirs(specs: Sequence[Spec]) -> None:
+    """Every runs_dir can hold run dirs."""
     for runs_dir in dict.fromkeys(one.runs_dir for one in specs):
         problem = runs_dir_problem(next(one for one in specs if one.runs_dir == runs_dir))
         if problem:
             raise SpecError("runs_dir", f"{problem}; set runs_dir to a folder you can write")
-    untracked = next((one.task for one in specs if one.task in ("command", "callable") and (
-        one.track.tensorboard or (one.track.wandb is not None and one.track.wandb.mode != "disabled"))), None)
+
+
+def warn_untracked(specs: Sequence[Spec], warn: Warn | None) -> None:
+    """track: on a command or callable task is ignored: say so (not an error: it harms nothing)."""
+    untracked = next((one.task for one in specs if one.task in ("command", "callable")
+                      and (one.track.tensorboard or wandb_enabled(one))), None)
     if untracked and warn:
         warn(f"warning: track: task: {untracked} has no trackers (your program logs its own); it is ignored")
-    login = next((p for p in (wandb_login_problem(one, environ) for one in specs) if p), None)
-    if login and passthrough == "error":  # like env_passthrough: what the job takes from this shell
-        raise SpecError("", login)
+
+
+def check_from_shell(specs: Sequence[Spec], passthrough: str, here: Here, warn: Warn | None, when: str) -> None:
+    """What the job takes from this shell: a W&B login, the env_passthrough variables.
+    passthrough: "error" (submit), "warn" (sbatch, --dry-run) or "skip" (validate)."""
+    login = next((p for p in (wandb_login_problem(one, here.environ) for one in specs) if p), None)
+    if login and passthrough == "error":
+        raise key_error("track.wandb.mode", login)
     if login and passthrough == "warn" and warn:
         warn(f"warning: {login}")
     names = list(dict.fromkeys(name for one in specs for name in one.env_passthrough))
     if passthrough == "skip" or not names:
         return
-    problem = passthrough_problem(names, slurm, environ, when)
+    problem = passthrough_problem(names, here.slurm, here.environ, when)
     if problem and passthrough == "error":
         raise SpecError("env_passthrough", problem)
     if problem and warn:
         warn(f"warning: env_passthrough: {problem}")
+
+
+def check_host(specs: Spec | Sequence[Spec], passthrough: str = "skip", slurm: bool = True,
+               warn: Warn | None = None, environ: Mapping[str, str] | None = None,
+               when: str = "before submitting") -> None:
+    """Raise a one-line SpecError, naming its key, for the first problem found here.
+
+    specs: one spec, or every task of a sweep (hpcgpu/launch/resolve.py expands it).
+    passthrough: "error" (submit), "warn" (sbatch, --dry-run) or "skip" (validate); `when` tells the
+    user when the variables must be set.
+    """
+    specs = [specs] if isinstance(specs, Spec) else list(specs)
+    here = Here(slurm, environ)
+    check_specs(specs, here)
+    check_runs_dirs(specs)
+    warn_untracked(specs, warn)
+    check_from_shell(specs, passthrough, here, warn, when)

@@ -152,10 +152,3 @@ def find_finished_run(spec: Spec) -> Path | None:
     """The newest run dir of this spec (identical resolved spec) that finished."""
     return next((run_dir for run_dir in runs_of_this_spec(spec) if is_finished(run_dir)), None)
 
-
-def missing_inputs(spec: Spec) -> list[str]:
-    """Input files the spec names that do not exist here, as 'key: path' (hub ids are not paths).
-    launch/checks.py says more (unreadable, a folder for a file) for validate, sbatch and submit."""
-    from hpcgpu.launch.checks import input_paths
-
-    return [f"{key}: {value}" for key, value in input_paths(spec) if not Path(value).expanduser().exists()]

@@ -16,8 +16,7 @@ from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.rundir import make_run_dir, run_dir_path
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
-from hpcgpu.launch.sweep import (SweepTask, array_chunks, array_range, check_one_script,
-                                 sweep_tasks, write_sweep)
+from hpcgpu.launch.sweep import SweepTask, array_chunks, array_range, check_one_script, write_sweep
 from hpcgpu.spec import Spec
 
 Options = list[tuple[str, "str | None"]]
@@ -95,8 +94,8 @@ def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: R
     return records
 
 
-def submit_to_slurm(spec: Spec, spec_file: str, registry: Registry) -> list[JobRecord]:
-    tasks = sweep_tasks(spec)
+def submit_to_slurm(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry) -> list[JobRecord]:
+    """tasks: the spec's sweep points (hpcgpu/launch/resolve.py), [] for a single job."""
     if tasks:
         return submit_sweep(spec, tasks, spec_file, registry)
     return [submit_single(spec, spec_file, registry)]

@@ -286,7 +286,7 @@ def test_bad_inputs_are_one_line_exit_2_before_the_job(tmp_path: Path, model_dir
     for k, (data_format, row, needle) in enumerate(BAD_ROWS):
         bad = write_rows(tmp_path / f"bad{k}.jsonl", [CHAT_ROWS[0] if data_format == "chat" else PC_ROWS[0], row])
         error = host_check_error(spec, f"data.train={bad}", f"data.format={data_format}")
-        assert error.startswith(f"{bad}:2: ") and needle in error
+        assert error.startswith(f"data.train: {bad}:2: ") and needle in error
     error = host_check_error(spec, f"data.train={CONFIGS / 'data' / 'pydocs.txt'}")
     assert error.startswith("data.train: data.format chat reads a .jsonl file") and "not pydocs.txt" in error
     error = host_check_error(spec, "model.name_or_path=null", "model.config.model_type=gpt2")
@@ -303,7 +303,7 @@ def test_bad_inputs_are_one_line_exit_2_before_the_job(tmp_path: Path, model_dir
     # and through the command line: that one line, exit 2
     proc = hpcgpu_validate(spec, f"data.train={tmp_path / 'bad3.jsonl'}", "data.format=prompt_completion")
     out = proc.stdout + proc.stderr
-    want = (f"hpcgpu: error: {tmp_path / 'bad3.jsonl'}:2: data.format prompt_completion needs a \"completion\" "
+    want = (f"hpcgpu: error: data.train: {tmp_path / 'bad3.jsonl'}:2: data.format prompt_completion needs a \"completion\" "
             "field (a string) in every row: {\"prompt\": ..., \"completion\": ...}")
     assert proc.returncode == 2 and out.strip().splitlines() == [want], out
 

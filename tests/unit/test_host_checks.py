@@ -354,7 +354,7 @@ def test_chat_rows_need_a_tokenizer_with_a_chat_template(tmp_path, case):
 
 # (the infer section, the file, the words the line must hold); {input} is the input file's path
 BAD_INFER = {
-    "input-missing": ({"input": "nope.jsonl"}, None, ["file not found: infer.input:", "nope.jsonl"]),
+    "input-missing": ({"input": "nope.jsonl"}, None, ["infer.input: file not found:", "nope.jsonl"]),
     "input-a-folder": ({"input": "."}, None, ["infer.input:", "is a folder"]),
     "malformed-line": ({}, GOOD_ROWS + '{"id": "c", "prompt": \n', ["{input}:3:", "not a JSON object"]),
     "not-an-object": ({}, GOOD_ROWS + '["c", "x"]\n', ["{input}:3:", "expected a JSON object"]),
@@ -381,7 +381,7 @@ def test_a_bad_infer_input_is_one_line_naming_file_and_line(tmp_path, case, comm
 
 
 BAD_MODEL = {
-    "missing": ((), ["file not found: model.name_or_path:", "missing-model"]),
+    "missing": ((), ["model.name_or_path: file not found:", "missing-model"]),
     "no-tokenizer": (("config.json", "model.safetensors", "generation_config.json"),
                      ["model.name_or_path:", "has no tokenizer", "tokenizer.json"]),
     "no-config": (("tokenizer.json", "model.safetensors"), ["model.name_or_path:", "has no config.json"]),

@@ -173,7 +173,7 @@ def assert_one_line_error(proc, needle: str) -> None:  # type: ignore[no-untyped
 
 def test_missing_data_file_exits_2_with_one_line(jobs: dict) -> None:
     proc, folder = jobs["nodata"]
-    assert_one_line_error(proc, "file not found: data.train")
+    assert_one_line_error(proc, "data.train: file not found")
     assert str(folder / "missing.txt") in proc.stdout + proc.stderr
 
 

@@ -1,0 +1,74 @@
+"""The one resolve step on the host: spec file + `--set` + flags + sweep -> checked, fully resolved specs.
+
+`hpcgpu validate`, `hpcgpu sbatch`, `hpcgpu submit` (SLURM and local) and `hpcgpu queue` all read a
+spec through `read_resolved`, so the spec a job runs is the same whichever command made it:
+    load_spec (YAML, --set, --gpus/--nodes)  ->  with_sweep (--sweep flags)  ->  sweep_tasks
+    ->  check_host (every task: what the job would fail on, found here; errors name their key)
+    ->  resolve_gpus_per_replica (infer.gpus_per_replica: auto becomes a number, written to spec.yaml)
+What differs between the commands is only how the job will run (`Use`): the local executor or SLURM,
+and whether env_passthrough variables missing in this shell are an error, a warning or not looked at.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.replicas import resolve_gpus_per_replica
+from hpcgpu.launch.sweep import SweepTask, sweep_tasks, with_sweep
+from hpcgpu.spec import Spec, load_spec
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Use:
+    """How the command will use the specs, which decides what the host checks demand."""
+
+    local: bool = False  # the local executor (here) rather than SLURM
+    passthrough: str = "skip"  # env_passthrough unset here: "error", "warn" or "skip"
+    when: str = "before submitting"  # when the user must set them (in the message)
+    explain: bool = True  # say how infer.gpus_per_replica: auto was decided
+
+
+VALIDATE = Use(explain=False)  # validate prints the resolved number in its summary
+SBATCH = Use(passthrough="warn", when="in the shell that runs sbatch")  # the script reads them later
+QUEUE = Use(local=True, passthrough="error")  # its jobs run here, as `submit --executor local`
+
+
+def submit_use(executor: str, dry_run: bool) -> Use:
+    """`hpcgpu submit`: the job takes env_passthrough from this shell; --dry-run only warns."""
+    return Use(local=executor == "local", passthrough="warn" if dry_run else "error")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A spec as a job runs it, and its sweep's tasks ([] without a sweep), each fully resolved."""
+
+    spec: Spec
+    tasks: list[SweepTask]
+
+    @property
+    def specs(self) -> list[Spec]:
+        """What the jobs run: one spec per sweep task, or the spec itself."""
+        return [task.spec for task in self.tasks] or [self.spec]
+
+
+def read_resolved(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | None = None,
+                  nodes: int | None = None, sweeps: tuple[str, ...] = (), use: Use = VALIDATE,
+                  say: Say | None = None) -> Resolved:
+    """Read SPEC with its --set/--gpus/--nodes/--sweep flags and resolve it (see the module's text)."""
+    spec = with_sweep(load_spec(spec_file, overrides, gpus=gpus, nodes=nodes), sweeps)
+    return resolve(spec, use, say)
+
+
+def resolve(spec: Spec, use: Use = VALIDATE, say: Say | None = None) -> Resolved:
+    """Check a spec here (every sweep task) and decide what it leaves to the host (gpus_per_replica)."""
+    check_host([task.spec for task in sweep_tasks(spec)] or [spec], passthrough=use.passthrough,
+               slurm=not use.local, warn=say, when=use.when)
+    spec = resolve_gpus_per_replica(spec, local=use.local, say=say if use.explain else None)
+    # the tasks of the resolved spec; a task that sweeps gpus_per_replica to auto decides its own
+    tasks = [dataclasses.replace(task, spec=resolve_gpus_per_replica(task.spec, local=use.local))
+             for task in sweep_tasks(spec)]
+    return Resolved(spec, tasks)
