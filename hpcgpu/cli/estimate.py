@@ -21,16 +21,14 @@ import click
 from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import smallest_gpu
-from hpcgpu.gpu.estimate import (INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES, WEIGHTS_SHARE, GiB,
-                                 InferDims, MaxMemory, ModelDims, Strategy, count_params, dims_from_config, estimate,
-                                 fits,
-                                 fewest_gpus_per_replica, fmt_bytes, infer_dims, infer_split_estimate,
-                                 infer_split_max_batch, max_micro_batch, offloaded_bytes, parse_max_memory,
-                                 parse_size, replica_fits, spec_weights_format, usable_bytes, weight_bytes,
-                                 with_checkpointing)
+from hpcgpu.gpu.estimate import (INFER_BATCH_CAP, INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES,
+                                 WEIGHTS_SHARE, GiB, InferDims, MaxMemory, ModelDims, Strategy, auto_infer_batch,
+                                 count_params, dims_from_config, estimate, fewest_gpus_per_replica, fits, fmt_bytes,
+                                 infer_dims, infer_split_estimate, infer_split_max_batch, max_micro_batch,
+                                 offloaded_bytes, parse_max_memory, parse_size, replica_fits, spec_weights_format,
+                                 usable_bytes, weight_bytes, with_checkpointing)
 from hpcgpu.gpu.recommend import Checkpointing, compiled_step, recommend_for_job
-from hpcgpu.gpu.source import default_source
-from hpcgpu.runtime.plan import INFER_BATCH_CAP
+from hpcgpu.infer_rows import read_rows
 from hpcgpu.spec import Spec, load_spec
 
 
@@ -106,6 +104,12 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
         spec.resources.devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if spec.task == "infer":
         return estimate_infer(spec, gpu_total, gpu_what, prompt_tokens, as_json)
+    return estimate_train(spec, gpu_total, gpu_what, micro_batch, as_json)
+
+
+def estimate_train(spec: Spec, gpu_total: int | None, gpu_what: str, micro_batch: int | None,
+                   as_json: bool) -> None:
+    """task: train: the strategies' rows at the micro batch, and the recommendation the job's plan takes."""
     n_params, cfg = count_params(spec)
     d = dims_from_config(cfg, spec.data.seq_len, n_params, compiled_step(spec), spec.train.fused_loss is True)
     world = spec.world_size
@@ -146,8 +150,6 @@ DEFAULT_PROMPT_TOKENS = 512
 def longest_row(spec: Spec) -> tuple[int | None, str]:
     """Tokens of the longest row of infer.input with the model's tokenizer (chat rows through its chat
     template), or None when the input or the tokenizer cannot be read here; and where that came from."""
-    from hpcgpu.infer_rows import read_rows
-
     if not spec.infer.input:
         return None, "no infer.input"
     try:
@@ -188,6 +190,7 @@ class InferSetup:
     mode: str
     fixed_batch: int | None  # infer.batch_size, None for auto
     budget: int | None  # memory one GPU of a copy may use (MaxMemory.gpu_budget); None: unknown
+    memory: int | None  # a GPU's memory the batch is fitted into: --gpu-memory or detected, else the cap
     cap: int | None  # infer.max_memory's per-GPU cap, None: auto
     cpu: int  # CPU memory for offloaded weights (max_memory's cpu=), 0: none
     gpus: int  # resources.gpus: GPUs per node
@@ -208,21 +211,20 @@ def prompt_length(spec: Spec, prompt_tokens: int | None) -> tuple[int, str]:
 
 
 def width_row(s: InferSetup, fmt: str, g: int) -> dict[str, Any]:
-    """Per-GPU memory of a copy in `fmt` split over g GPUs, at the spec's batch (auto: the largest that
-    fits, at most the job's cap), and whether it fits: the weights by the gpus_per_replica rule, the
-    batch within the budget."""
+    """Per-GPU memory of a copy in `fmt` split over g GPUs, at the spec's batch (auto: what the job's
+    batch_size: auto picks), and whether it fits: the weights by the gpus_per_replica rule, the batch
+    by the rule the job fits its batch with (max_batch)."""
     weights = weight_bytes(s.d, fmt)
     off, rule, top = 0, None, None  # GPU memory unknown: nothing to check against
-    if s.budget is not None:
+    if s.budget is not None and s.memory is not None:
         off = offloaded_bytes(weights, g, s.budget, s.cpu)
         rule = replica_fits(weights, g, s.budget, s.cpu)
-        top = infer_split_max_batch(s.d, fmt, s.prompt, s.new, s.mode, g, s.budget, off) if rule else 0
-    batch = s.fixed_batch or max(1, min(top or 1, INFER_BATCH_CAP[s.mode]))
+        top = infer_split_max_batch(s.d, fmt, s.prompt, s.new, s.mode, g, s.memory, off, s.cap) if rule else 0
+    batch = s.fixed_batch or auto_infer_batch(top or 0, s.mode)
     e = infer_split_estimate(s.d, fmt, batch, s.prompt, s.new, s.mode, g, off)
     return {"gpus_per_replica": g, "possible": s.gpus % g == 0, "replicas": s.replicas(g), "batch": batch,
             "weights": e.weights, "offloaded": off, "kv_cache": e.kv_cache, "activations": e.activations,
-            "total": e.total, "fits": None if s.budget is None else bool(rule and e.total <= s.budget),
-            "max_batch": top}
+            "total": e.total, "fits": None if top is None else bool(rule and batch <= top), "max_batch": top}
 
 
 def fewest_width(s: InferSetup, fmt: str) -> int | None:
@@ -293,8 +295,8 @@ def estimate_infer(spec: Spec, gpu_total: int | None, gpu_what: str, prompt_toke
     max_memory = parse_max_memory(inf.max_memory)
     s = InferSetup(d=d, prompt=prompt, new=0 if inf.mode == "score" else inf.max_new_tokens, mode=inf.mode,
                    fixed_batch=inf.batch_size if isinstance(inf.batch_size, int) else None,
-                   budget=max_memory.gpu_budget(gpu_total), cap=max_memory.gpu, cpu=max_memory.cpu,
-                   gpus=spec.resources.gpus, nodes=spec.resources.nodes)
+                   budget=max_memory.gpu_budget(gpu_total), memory=gpu_total or max_memory.gpu, cap=max_memory.gpu,
+                   cpu=max_memory.cpu, gpus=spec.resources.gpus, nodes=spec.resources.nodes)
     chosen = spec_weights_format(spec)
     formats = [chosen if f == "bfloat16" and chosen == "float16" else f for f in INFER_FORMATS]
     rec = recommend_infer(s, chosen, inf.gpus_per_replica)
@@ -353,7 +355,8 @@ def print_widths_table(s: InferSetup, table: list[dict[str, Any]]) -> None:
     notes = [] if s.budget is None else [f"fits: weights within {WEIGHTS_SHARE:.0%} of each GPU"
                                          + (" (and CPU memory)" if s.cpu else "") + ", the batch within the rest"]
     if not s.fixed_batch:
-        notes.append(f"batch auto: the largest that fits, at most {INFER_BATCH_CAP[s.mode]}")
+        notes.append(f"batch auto: as the job picks it, the largest power of two that fits, at most "
+                     f"{INFER_BATCH_CAP[s.mode]} (fewer for a short input)")
     if any(not r["possible"] for r in table[0]["widths"]):
         notes.append(f"copies -: the width does not divide resources.gpus ({s.gpus})")
     if notes:

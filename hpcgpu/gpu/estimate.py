@@ -1,4 +1,8 @@
-"""GPU memory per rank for training a causal LM, by strategy: a model you can check by hand.
+"""The memory model, the one place its formulas live: GPU memory per rank for training a causal LM
+by strategy, and per GPU of a model copy for inference (the section below). `hpcgpu estimate`
+prints them; the job decides with them (train: micro_batch_size and strategy auto through
+gpu/recommend.py; infer: batch_size auto and the replica fit check). A model you can check by hand;
+no torch at import time (the host imports it; count_params alone loads torch, on the meta device).
 
 Model states (Psi = parameter count), per GPU, world size N:
   ddp    (hpcgpu's trainer: fp32 params, bf16 autocast, fused AdamW)
@@ -324,21 +328,35 @@ def fmt_bytes(n: int | float | None) -> str:
 
 # ---------------------------------------------------------------- inference (task: infer)
 #
-# One model copy (replica) on one GPU, per GPU:
+# One model copy (replica), per GPU. `hpcgpu estimate` prints these and the job fits its batch_size:
+# auto with them (runtime/tasks/infer.py row_bytes, memory_budget; runtime/plan.py plan_infer).
 #   weights      Psi x bytes per parameter: float32 4, bfloat16/float16 2; int8 (bitsandbytes LLM.int8)
 #                1 and int4 (NF4, one fp32 absmax per 64 values) 0.5 + 4/64 for the linear layers, the
 #                embedding kept in 16 bits (bitsandbytes quantizes nn.Linear only)
-#   KV cache     2 (K, V) x layers x kv_heads x head_dim x c x batch x (prompt + max_new_tokens), in
-#                the compute dtype (c = 4 for float32 weights, else 2); none in score mode (one forward)
-#   activations  the largest transient of one layer in the prefill forward, b x s x (2 ffn + 4 h) x c,
-#                plus the logits: generate b x V x 4 x 2 (fp32 last-position logits and their softmax),
-#                score b x s x V x (c + 4 + 4) (logits, fp32 copy, log-softmax), plus the s x s
+#   per row of a batch of T tokens (generate: the longest prompt + max_new_tokens; score: the longest
+#   text), c bytes of the compute dtype (4 for float32 weights, else 2):
+#   KV cache     2 (K, V) x layers x kv_heads x head_dim x T x c; none in score mode (one forward)
+#   activations  16 x hidden x T x c, the attention and MLP intermediates of one layer, plus the
+#                logits: generate V x 16 (the last position's fp32 logits and the sampling copies),
+#                score T x V x (c + 8) (logits, fp32 copy, log-probabilities), plus heads x T x T x c
 #                attention scores where attention is eager
-# A model you can check by hand, not yet compared against a measurement on a GPU.
+#   room         what the rows may use: HEADROOM of the memory free beside the weights less
+#                HEADROOM_BYTES (allocator slack, CUDA graphs, library workspaces), within
+#                infer.max_memory's cap
+# The row figures are the job's, which its GPU runs were sized by.
 
 INT4_BYTES = 0.5 + 4 / 64
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": INT4_BYTES}
 INFER_FORMATS = ("float32", "bfloat16", "int8", "int4")  # the rows `hpcgpu estimate` shows
+ACT_PER_TOKEN = 16  # x hidden: one layer's attention and MLP intermediates, per token of a row
+HEADROOM = 0.9  # of the GPU memory free beside the weights, for the rows of a batch (the rest: allocator slack)
+HEADROOM_BYTES = GiB  # and this much less again (CUDA graphs, library workspaces)
+# batch_size: auto on a GPU: the largest power of two that fits (GPUs of one kind whose free memory
+# differs by a few MB choose the same), at most the cap, and small enough to make INFER_MIN_BATCHES
+# batches where that leaves INFER_MIN_ROWS rows or more a batch (many replicas all get rows, a stop comes soon)
+INFER_BATCH_CAP = {"generate": 256, "score": 64}
+INFER_MIN_BATCHES = 16
+INFER_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -371,6 +389,8 @@ class InferEstimate:
 
 
 def infer_dims(cfg: Any, n_params: int | None = None) -> InferDims:
+    """The shape inference memory depends on, from a transformers config (object or mapping): the one
+    reader for `hpcgpu estimate` and the job."""
     h, layers, heads, vocab, _ = _shape(cfg)
     cfg = with_defaults(cfg)
     total, _, embed = analytic_params(cfg)
@@ -385,6 +405,7 @@ def infer_dims(cfg: Any, n_params: int | None = None) -> InferDims:
 
 
 def compute_bytes(weights_format: str) -> int:
+    """Bytes of the dtype the model computes in: quantized weights compute in 16 bits."""
     return 4 if weights_format == "float32" else 2
 
 
@@ -396,25 +417,59 @@ def weight_bytes(d: InferDims, weights_format: str) -> int:
     return int(per * d.n_params)
 
 
+def infer_row_bytes(d: InferDims, mode: str, tokens: int, c: int) -> tuple[int, int]:
+    """(KV cache, activations with the logits) of one row of `tokens` tokens, c bytes a value."""
+    activations = tokens * d.hidden * ACT_PER_TOKEN * c
+    if not d.flash_attention:
+        activations += d.heads * tokens * tokens * c
+    if mode == "score":
+        return 0, activations + tokens * d.vocab * (c + 8)
+    return 2 * d.n_layers * d.kv_dim * tokens * c, activations + d.vocab * 16
+
+
+def row_tokens(prompt: int, new: int, mode: str) -> int:
+    return prompt if mode == "score" else prompt + new
+
+
+def row_bytes_per_gpu(d: InferDims, mode: str, tokens: int, c: int, gpus: int = 1) -> int:
+    """One row's memory on one GPU of a copy split over `gpus`: its share of the KV cache (a layer's K
+    and V live on that layer's GPU) and the whole activations (the batch passes every GPU in turn)."""
+    kv, activations = infer_row_bytes(d, mode, tokens, c)
+    return -(-kv // max(1, gpus)) + activations
+
+
+def rows_room(free: int, cap_left: int | None = None) -> int:
+    """Memory one GPU has for the rows of a batch: HEADROOM of the `free` bytes beside its weights less
+    HEADROOM_BYTES, within `cap_left` (infer.max_memory's cap less the weights) where there is a cap."""
+    room = int(free * HEADROOM) - HEADROOM_BYTES
+    return max(0, room if cap_left is None else min(room, cap_left))
+
+
+def infer_batch_limit(mode: str, rows: int | None = None) -> tuple[int, str]:
+    """The most rows batch_size: auto puts in a batch for `rows` rows (None: not known), and why."""
+    cap = INFER_BATCH_CAP[mode]
+    spread = cap if rows is None else max(INFER_MIN_ROWS, pow2_floor(-(-rows // INFER_MIN_BATCHES)))
+    if spread >= cap:
+        return cap, f"at most {cap}"
+    return spread, f"at most {spread} for {INFER_MIN_BATCHES} batches of the {rows} rows"
+
+
+def auto_infer_batch(fit: int, mode: str, rows: int | None = None) -> int:
+    """batch_size: auto on a GPU where `fit` rows fit: the largest power of two within the limit, at least 1."""
+    return max(1, min(infer_batch_limit(mode, rows)[0], pow2_floor(fit)))
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def infer_estimate(d: InferDims, weights_format: str, batch: int, prompt: int, new: int,
                    mode: str = "generate") -> InferEstimate:
     """Memory of one replica on one GPU for `batch` rows of `prompt` tokens (+ `new` generated)."""
-    c = compute_bytes(weights_format)
     new = 0 if mode == "score" else new
-    kv = 0 if mode == "score" else 2 * d.n_layers * d.kv_dim * c * batch * (prompt + new)
-    layer = batch * prompt * (2 * d.ffn + 4 * d.hidden) * c
-    if not d.flash_attention:
-        layer += d.heads * prompt * prompt * batch * c
-    logits = batch * prompt * d.vocab * (c + 4 + 4) if mode == "score" else batch * d.vocab * 4 * 2
-    return InferEstimate(weights_format, batch, prompt, new, weight_bytes(d, weights_format), kv, layer + logits)
-
-
-def infer_max_batch(d: InferDims, weights_format: str, prompt: int, new: int, mode: str, gpu_total: int) -> int:
-    """The largest batch whose estimate fits on one GPU (0: not even one row). Linear in the batch."""
-    fixed = infer_estimate(d, weights_format, 0, prompt, new, mode).total
-    per_row = infer_estimate(d, weights_format, 1, prompt, new, mode).total - fixed
-    room = usable_bytes(gpu_total) - fixed
-    return max(0, room // per_row) if per_row else 0
+    kv, activations = infer_row_bytes(d, mode, row_tokens(prompt, new, mode), compute_bytes(weights_format))
+    return InferEstimate(weights_format, batch, prompt, new, weight_bytes(d, weights_format), batch * kv,
+                         batch * activations)
 
 
 def spec_weights_format(spec: Spec) -> str:
@@ -436,6 +491,8 @@ def spec_weights_format(spec: Spec) -> str:
 #                accelerate puts in CPU memory (max_memory cpu=), what WEIGHTS_SHARE of the g GPUs leaves
 #   KV cache     / g: a layer's K and V live on the GPU of that layer
 #   activations  not divided: the whole batch passes through every GPU in turn
+# The batch: the least over the g GPUs of rows_room over one row's share (row_bytes_per_gpu), by
+# `hpcgpu estimate` for a GPU of the given size and by the job for what its GPUs have free.
 
 REPLICA_WIDTHS = (1, 2, 4, 8)  # the widths `hpcgpu estimate` shows
 WEIGHTS_SHARE = 0.85
@@ -506,10 +563,11 @@ def infer_split_estimate(d: InferDims, weights_format: str, batch: int, prompt: 
 
 
 def infer_split_max_batch(d: InferDims, weights_format: str, prompt: int, new: int, mode: str, gpus: int,
-                          gpu_budget: int, offloaded: int = 0) -> int:
-    """The largest batch whose per-GPU estimate of a width-`gpus` split is within gpu_budget (0: not even
-    one row). Linear in the batch."""
-    fixed = infer_split_estimate(d, weights_format, 0, prompt, new, mode, gpus, offloaded).total
-    per_row = infer_split_estimate(d, weights_format, 1, prompt, new, mode, gpus, offloaded).total - fixed
-    room = gpu_budget - fixed
-    return max(0, room // per_row) if per_row else 0
+                          gpu_memory: int, offloaded: int = 0, cap: int | None = None) -> int:
+    """The largest batch one GPU of a width-`gpus` copy holds beside its share of the weights (0: not
+    even one row): rows_room of what a `gpu_memory` GPU has free (within the `cap` per GPU) over one
+    row's share, the rule the job's batch_size: auto fits by."""
+    held = -(-(weight_bytes(d, weights_format) - offloaded) // gpus)
+    room = rows_room(gpu_memory - held, None if cap is None else cap - held)
+    per_row = row_bytes_per_gpu(d, mode, row_tokens(prompt, new, mode), compute_bytes(weights_format), gpus)
+    return room // per_row

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import REPO
 from hpcgpu.gpu.estimate import (REPLICA_WIDTHS, WEIGHTS_SHARE, GiB, fewest_gpus_per_replica, infer_dims,
                                  infer_estimate, infer_split_estimate, infer_split_max_batch, parse_size,
-                                 usable_bytes)
+                                 rows_room, usable_bytes)
 
 pytest.importorskip("transformers")
 
@@ -57,8 +57,13 @@ def test_a_split_divides_weights_and_kv_cache_not_activations():
     assert (two.weights, two.kv_cache, two.activations) == (one.weights // 2, one.kv_cache // 2, one.activations)
     assert infer_split_estimate(d, "bfloat16", 8, 2048, 256, "generate", 1) == one
     top = infer_split_max_batch(d, "bfloat16", 2048, 256, "generate", 2, 20 * GiB)
-    assert infer_split_estimate(d, "bfloat16", top, 2048, 256, "generate", 2).total <= 20 * GiB
-    assert infer_split_estimate(d, "bfloat16", top + 1, 2048, 256, "generate", 2).total > 20 * GiB
+    room = rows_room(20 * GiB - two.weights)  # the job's headroom beside a GPU's share of the weights
+
+    def rows_bytes(batch: int) -> int:
+        e = infer_split_estimate(d, "bfloat16", batch, 2048, 256, "generate", 2)
+        return e.kv_cache + e.activations
+
+    assert rows_bytes(top) <= room < rows_bytes(top + 1)
 
 
 def test_llama_8b_16g_bfloat16_needs_two_gpus_int4_one(tmp_path):
@@ -153,3 +158,29 @@ def test_json_rows_per_width(tmp_path):
 def test_no_later_wording(tmp_path):
     out = estimate(spec_file(tmp_path, {"config": LLAMA_8B}), "12G")
     assert "(later)" not in out and "not in this version" not in out and "int8" in out
+
+
+@pytest.mark.parametrize("mode, gpu_memory", [("generate", "80G"), ("score", "24G")])
+def test_the_estimate_shows_the_batch_the_job_picks(tmp_path, monkeypatch, mode: str, gpu_memory: str):
+    """One memory model: `hpcgpu estimate`'s max batch and auto batch for one GPU a copy are what the
+    job's batch_size: auto fits into the same card (HPCGPU_GPU_MEMORY standing for it)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig
+
+    from hpcgpu.runtime.plan import plan_infer
+    from hpcgpu.runtime.tasks.infer import memory_budget, row_bytes
+    from hpcgpu.spec import load_spec
+
+    path = spec_file(tmp_path, {"config": LLAMA_8B}, batch_size="auto", mode=mode)
+    one_gpu = estimate_json(path, gpu_memory)["formats"][1]["widths"][0]  # bfloat16, one GPU a copy
+    config = AutoConfig.for_model(**LLAMA_8B)
+    weights = SimpleNamespace(numel=lambda: infer_dims(config).n_params, element_size=lambda: 2)
+    monkeypatch.setenv("HPCGPU_GPU_MEMORY", gpu_memory)
+    budget = memory_budget(SimpleNamespace(parameters=lambda: [weights]), torch.device("cpu"), None)
+    per_row = row_bytes(config, mode, 2048 + (256 if mode == "generate" else 0), "bf16")
+    plan = plan_infer(load_spec(path, ()), 4, device_type="cuda", precision="bf16", rows=100_000, max_tokens=2048,
+                      budget_bytes=budget, bytes_per_row=per_row)
+    assert budget // per_row == one_gpu["max_batch"] > 1
+    assert plan.inference.batch_size == one_gpu["batch"]
