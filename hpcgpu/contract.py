@@ -54,6 +54,11 @@ class RunPaths:
     run_dir: Path
 
     @property
+    def spec(self) -> Path:
+        """The fully resolved spec the ranks run (written by the host before the job starts)."""
+        return self.run_dir / "spec.yaml"
+
+    @property
     def plan(self) -> Path:
         return self.run_dir / PLAN_FILE
 
@@ -64,6 +69,14 @@ class RunPaths:
     @property
     def logs(self) -> Path:
         return self.run_dir / "logs"
+
+    def gpu_logs(self) -> list[Path]:
+        """The GPU monitor's samples: gpu.jsonl (node 0), gpu-node{N}.jsonl (the other nodes)."""
+        return sorted(self.run_dir.glob("gpu*.jsonl"))
+
+    def rank_log(self, rank: int) -> Path:
+        """The local executor: what one rank printed (SLURM jobs log to slurm-<id>.out/.err)."""
+        return self.logs / f"rank-{rank}.log"
 
     @property
     def metrics(self) -> Path:
@@ -77,6 +90,10 @@ class RunPaths:
     def replica_outputs(self, replica: int) -> Path:
         """task: infer: what one replica wrote, appended batch by batch (resume reads it back)."""
         return self.run_dir / "outputs" / f"replica-{replica}.jsonl"
+
+    def replica_output_files(self) -> list[Path]:
+        """task: infer: every replica's outputs (replica_outputs), in replica order."""
+        return sorted(self.replica_outputs(0).parent.glob("replica-*.jsonl"))
 
     @property
     def profile(self) -> Path:

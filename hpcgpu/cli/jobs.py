@@ -14,8 +14,10 @@ import click
 
 from hpcgpu.cli.table import format_table
 from hpcgpu.errors import HpcgpuError, UsageError
-from hpcgpu.launch.jobs import cancel as cancel_job
-from hpcgpu.launch.jobs import RANK_LABEL, find_job, is_final, last_progress, log_files, refresh
+from hpcgpu.launch.cancel import cancel as cancel_job
+from hpcgpu.launch.joblogs import RANK_LABEL, log_files
+from hpcgpu.launch.progress import last_progress
+from hpcgpu.launch.state import find_job, is_final, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
 

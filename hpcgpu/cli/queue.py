@@ -57,7 +57,7 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
         if not spec_path.is_absolute():
             spec_path = queue_file.parent / spec_path
         resolved = read_resolved(str(spec_path), params["overrides"], params["gpus"], params["nodes"],
-                                 params["sweeps"], QUEUE, say=lambda message: click.echo(f"hpcgpu: {message}", err=True))
+                                 params["sweeps"], QUEUE, say=say)
         if not resolved.tasks:
             return [point_entry(where, line, spec_path, params, resolved.spec)]
         # each point shown as the --set overrides that would give its spec
@@ -72,6 +72,10 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
         raise
     except HpcgpuError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def say(message: str) -> None:
+    click.echo(f"hpcgpu: {message}", err=True)
 
 
 def point_entry(where: str, line: int, spec_path: Path, params: dict, spec: Spec, label: str = "",

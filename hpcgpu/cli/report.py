@@ -47,7 +47,7 @@ def job_run_dir(ref: str) -> str:
         return ref
     from hpcgpu.cli.jobs import one_unit
     from hpcgpu.errors import HpcgpuError
-    from hpcgpu.launch.jobs import find_job
+    from hpcgpu.launch.state import find_job
     from hpcgpu.launch.registry import Registry
 
     try:

@@ -9,7 +9,9 @@ from hpcgpu.cli.options import ignore_busy_option, spec_options
 from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.errors import JobFailed, SchedulerError
 from hpcgpu.launch import local_submit, submission
-from hpcgpu.launch.jobs import exit_status, log_files, stop_summary, wait_for
+from hpcgpu.launch.cancel import exit_status, wait_for
+from hpcgpu.launch.joblogs import log_files
+from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry
 from hpcgpu.launch.resolve import Resolved, read_resolved, submit_use
 from hpcgpu.spec import Spec, dump_spec

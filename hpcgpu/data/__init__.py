@@ -10,12 +10,12 @@ from typing import Any, Optional
 
 from hpcgpu.data.cache import cache_entry, default_cache_dir, ensure_prepared, prepared_for
 from hpcgpu.data.format import MANIFEST, MASK, TOKENS, PreparedData, is_prepared
-from hpcgpu.data.pipeline import Prepared, prepare
+from hpcgpu.data.pipeline import PrepareResult, prepare
 from hpcgpu.data.tokenizer import (
     ByteTokenizer, describe, load_tokenizer, load_tokenizer_dir, same_tokenizer, tokenizer_identity)
 from hpcgpu.errors import HpcgpuError
 
-__all__ = ["MASK", "ByteTokenizer", "Prepared", "PreparedData", "cache_entry", "default_cache_dir",
+__all__ = ["MASK", "ByteTokenizer", "PrepareResult", "PreparedData", "cache_entry", "default_cache_dir",
            "ensure_prepared", "format_mismatch", "is_prepared", "load_tokenizer", "load_tokenizer_dir",
            "looks_prepared", "open_training_data", "prepare", "prepared_for"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hpcgpu.data.format import VERSION, dest_lock, is_prepared, read_manifest
-from hpcgpu.data.pipeline import Prepared, build
+from hpcgpu.data.pipeline import PrepareResult, build
 from hpcgpu.data.sources import Source, fingerprint, open_source
 from hpcgpu.data.tokenizer import as_tokenizer, same_tokenizer, tokenizer_identity
 
@@ -72,7 +72,7 @@ def prepared_for(source: str | Path, tokenizer: Any, text_field: str = "text",
 
 def ensure_prepared(source: str | Path, tokenizer: Any, text_field: str = "text",
                     cache_dir: str | Path | None = None, workers: Optional[int] = None, *,
-                    data_format: str = "text") -> Prepared:
+                    data_format: str = "text") -> PrepareResult:
     src, tok = open_source(source), as_tokenizer(tokenizer)
     identity = tokenizer_identity(tok)
     dest = entry_path(src, identity, text_field, cache_dir, data_format)
@@ -89,10 +89,10 @@ def ensure_prepared(source: str | Path, tokenizer: Any, text_field: str = "text"
             return reused
         manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=None,
                          data_format=data_format)
-    return Prepared(dest, manifest, True, time.monotonic() - t0)
+    return PrepareResult(dest, manifest, True, time.monotonic() - t0)
 
 
-def reuse(dest: Path, src: Source, identity: dict[str, Any], data_format: str, t0: float) -> Optional[Prepared]:
+def reuse(dest: Path, src: Source, identity: dict[str, Any], data_format: str, t0: float) -> Optional[PrepareResult]:
     """The finished entry at `dest` if it is one for this very source, tokenizer and format, else None."""
     if not is_prepared(dest):
         return None
@@ -103,4 +103,4 @@ def reuse(dest: Path, src: Source, identity: dict[str, Any], data_format: str, t
         return None  # a hash collision or a hand-edited entry: never reuse what does not match
     log.info(f"reusing prepared data for {src.path}: {dest} ({manifest['num_tokens']:,} tokens, "
              f"{manifest['dtype']})")
-    return Prepared(dest, manifest, False, time.monotonic() - t0)
+    return PrepareResult(dest, manifest, False, time.monotonic() - t0)

@@ -37,8 +37,8 @@ IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep them busy, 
 
 
 @dataclass
-class Prepared:
-    """A prepared dataset and how it came about."""
+class PrepareResult:
+    """What `prepare` gave: where the prepared dataset is (read it with PreparedData) and how it came about."""
 
     path: Path
     manifest: dict[str, Any]
@@ -59,7 +59,7 @@ def default_workers() -> int:
 
 
 def prepare(source: str | Path, tokenizer: Any, output: str | Path, *, text_field: str = "text",
-            workers: Optional[int] = None, dtype: Optional[str] = None, data_format: str = "text") -> Prepared:
+            workers: Optional[int] = None, dtype: Optional[str] = None, data_format: str = "text") -> PrepareResult:
     """Tokenize `source` into the prepared dataset `output` (replacing an older one there)."""
     src, tok = open_source(source), as_tokenizer(tokenizer)
     dest = Path(output).expanduser().absolute()
@@ -68,7 +68,7 @@ def prepare(source: str | Path, tokenizer: Any, output: str | Path, *, text_fiel
     with dest_lock(dest):
         manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=dtype,
                          data_format=data_format)
-    return Prepared(dest, manifest, True, time.monotonic() - t0)
+    return PrepareResult(dest, manifest, True, time.monotonic() - t0)
 
 
 def build(src: Source, tokenizer: Any, dest: Path, *, text_field: str, workers: Optional[int],
@@ -121,7 +121,7 @@ def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_fie
     total = progress_total(src)  # reads parquet footers: an unreadable file fails before anything is opened
     writer = TokenWriter(folder, dtype, masks=examples)
     top = -1
-    progress = Progress(*total, label=src.path.name)
+    progress = TokenizeProgress(*total, label=src.path.name)
     try:
         for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype, data_format):
             writer.write_chunk(chunk.ids, chunk.lengths)
@@ -245,7 +245,7 @@ def start_method() -> str:
 
 # ---------------------------------------------------------------- progress
 
-class Progress:
+class TokenizeProgress:
     """A tqdm bar with tokens/s and ETA on a terminal; elsewhere a log line every LOG_EVERY_S."""
 
     def __init__(self, total: Optional[int], unit: str, label: str):

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED, EXIT_STOPPED,
-                             Failure, attempt_id, is_finished, record_failure, write_finished)
+                             Failure, RunPaths, attempt_id, is_finished, record_failure, write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.launch import runlock
 from hpcgpu.procs import PARENT_PID_VAR
@@ -138,11 +138,11 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
     gpus = check_fits_here(spec)
     world = spec.tasks_per_node
     port = free_port()
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths(run_dir)
+    paths.logs.mkdir(parents=True, exist_ok=True)
     ranks: list[Rank] = []
     for i in range(world):
-        log = open(logs / f"rank-{i}.log", "a", buffering=1)
+        log = open(paths.rank_log(i), "a", buffering=1)
         pipe = i == 0 and echo is not None
         env = rank_environ(spec, i, world, job_id, port, gpus, run_dir, restart_count)
         env[PARENT_PID_VAR] = str(os.getpid())  # the rank dies with us (`hpcgpu run` reads it first)

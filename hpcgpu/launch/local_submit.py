@@ -83,7 +83,7 @@ def run_dirs_in_use(registry: Registry) -> Callable[[Path], bool]:
     Locked (any rank of a live job holds <run dir>/.lock, even after its launcher was killed), or
     recorded as run by a live local executor (a job started before run dirs were locked, or one
     `hpcgpu queue` registered whose executor has not taken the lock yet)."""
-    from hpcgpu.launch.jobs import executor_alive
+    from hpcgpu.launch.liveness import executor_alive
     from hpcgpu.launch.runlock import is_locked
 
     def in_use(run_dir: Path) -> bool:
@@ -103,7 +103,7 @@ def local_gpu_count(spec: Spec, environ: Mapping[str, str] | None = None) -> int
 def new_record(spec: Spec, spec_ref: str, run_dir: Path, pid: int | None = None,
                environ: Mapping[str, str] | None = None, state: str = "RUNNING") -> JobRecord:
     """A local job's registry row; job_id "" -> the registry assigns local-<n> as it inserts it."""
-    from hpcgpu.launch.jobs import process_start
+    from hpcgpu.launch.liveness import process_start
 
     # the node it runs on, as its failure records name it (status shows `-` only for a job holding none)
     node = socket.gethostname() if state == "RUNNING" else ""
@@ -117,7 +117,7 @@ KILLED_REASON = "killed at a second interrupt; the same command goes on from its
 
 
 def local_state(registry: Registry, record: JobRecord, code: int, run_dir: Path) -> tuple[str, str]:
-    from hpcgpu.launch.jobs import stop_summary
+    from hpcgpu.launch.progress import stop_summary
 
     cancelled = registry.find(record.job_id)[0].cancel_requested
     if code == 0:
@@ -141,7 +141,7 @@ def exit_code(record: JobRecord) -> int:
 def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Path,
                  task: TaskRecord | None = None, echo: IO[str] | None = None, say: Say = _stderr) -> int:
     """Run the ranks here and record how they ended (the job's, or one sweep task's, state)."""
-    from hpcgpu.launch.jobs import explain_failures
+    from hpcgpu.launch.failures import explain_failures
     from hpcgpu.launch.local import run_local
 
     try:
@@ -162,7 +162,7 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
 
 
 def _sweep_state(record: JobRecord) -> str:
-    from hpcgpu.launch.jobs import array_state
+    from hpcgpu.launch.state import array_state
 
     return array_state([t for t in record.tasks if t.state != "PENDING"] or record.tasks)
 
@@ -262,7 +262,7 @@ def register(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool = Fal
 def executor_started(registry: Registry, record: JobRecord, pid: int) -> None:
     """The executor of a registered job runs as `pid`: `hpcgpu cancel` signals it, and the run dir
     counts as in use from now on."""
-    from hpcgpu.launch.jobs import process_start
+    from hpcgpu.launch.liveness import process_start
 
     registry.update(record, pid=pid, pid_start=process_start(pid), state="RUNNING", nodes=socket.gethostname())
 

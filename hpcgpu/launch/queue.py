@@ -137,7 +137,7 @@ class LocalJob:
     def details(self) -> JobEnd:
         """From the registry: how the executor recorded the job's end (or, had it no chance to, that
         it ended without a word)."""
-        from hpcgpu.launch.jobs import is_final, refresh
+        from hpcgpu.launch.state import is_final, refresh
 
         record, _ = self.registry.find(self.record.job_id)
         if not is_final(record.state):
@@ -361,7 +361,7 @@ class Queue:
         return again
 
     def _ended_line(self, r: QueueResult, seconds: float, retry: bool) -> str:
-        from hpcgpu.launch.jobs import stop_summary
+        from hpcgpu.launch.progress import stop_summary
 
         if r.state == "STOPPED":
             how = stop_summary(r.run_dir) if r.run_dir else "stopped at a checkpoint"

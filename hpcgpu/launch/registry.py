@@ -17,7 +17,7 @@ import sqlite3
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Collection, Iterator, Sequence
 
 from hpcgpu.contract import ENV_REGISTRY
 from hpcgpu.errors import HpcgpuError
@@ -190,6 +190,11 @@ _COLUMNS = [f.name for f in fields(JobRecord) if f.name != "key"]
 _TASK_FIELDS = {f.name for f in fields(TaskRecord)}
 _JOB_FIELDS = {f.name for f in fields(JobRecord)}
 
+
+
+def units_of(job: JobRecord) -> Sequence[JobRecord | TaskRecord]:
+    """What has a state of its own: the array tasks, or the job itself."""
+    return job.tasks or [job]
 
 def _to_row(job: JobRecord) -> dict[str, Any]:
     row = {name: getattr(job, name) for name in _COLUMNS}

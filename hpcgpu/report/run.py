@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcgpu.contract import FINISHED_MARKER, is_finished, startup_phases
+import yaml
+
+from hpcgpu.contract import FINISHED_MARKER, RunPaths, is_finished, startup_phases
 from hpcgpu.errors import HpcgpuError
 
 GiB = 1 << 30
@@ -71,9 +73,10 @@ def _latest_per_step(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def nothing_to_report(run_dir: Path) -> str:
     """Why a run dir has no records to plot, in words a user can act on."""
-    if (run_dir / "metrics.jsonl").exists():
+    paths = RunPaths(run_dir)
+    if paths.metrics.exists():
         return "has a metrics.jsonl without one complete record (not a run's, or cut short)"
-    logs = run_dir / "logs"
+    logs = paths.logs
     if logs.is_dir() and any(logs.iterdir()):
         return f"has no metrics.jsonl: the job ended before its first record; its logs are in {logs}"
     return "has no metrics.jsonl or gpu.jsonl (has the job started?)"
@@ -83,8 +86,9 @@ def load_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise HpcgpuError(f"RUN_DIR: {run_dir} is not a directory")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    gpu = [r for p in sorted(run_dir.glob("gpu*.jsonl")) for r in read_jsonl(p)]
+    paths = RunPaths(run_dir)
+    metrics = read_jsonl(paths.metrics)
+    gpu = [r for p in paths.gpu_logs() for r in read_jsonl(p)]
     if not metrics and not gpu:
         raise HpcgpuError(f"RUN_DIR: {run_dir} {nothing_to_report(run_dir)}")
     events = [r for r in metrics if r.get("kind") in ("resume", "stop", "end")]
@@ -102,11 +106,9 @@ def load_run(run_dir: str | Path) -> RunData:
 def _task_of(run_dir: Path, metrics: list[dict[str, Any]]) -> tuple[str, str | None, int | None]:
     """(task, infer mode, input rows) from the run's spec.yaml and plan.json; without them an "infer"
     record in metrics.jsonl says it is an infer run."""
-    import yaml
-
     task = mode = rows = None
     try:
-        spec = yaml.safe_load((run_dir / "spec.yaml").read_text())
+        spec = yaml.safe_load(RunPaths(run_dir).spec.read_text())
     except (OSError, yaml.YAMLError):
         spec = None
     if isinstance(spec, dict):
@@ -114,7 +116,7 @@ def _task_of(run_dir: Path, metrics: list[dict[str, Any]]) -> tuple[str, str | N
         inf = spec.get("infer")
         mode = inf.get("mode") if isinstance(inf, dict) and isinstance(inf.get("mode"), str) else None
     try:
-        plan = json.loads((run_dir / "plan.json").read_text())
+        plan = json.loads(RunPaths(run_dir).plan.read_text())
     except (OSError, ValueError):
         plan = None
     if isinstance(plan, dict):
@@ -343,7 +345,7 @@ def summarize_infer(d: RunData) -> InferSummary:
         logged_generated_tokens=round(tok) if timed else None, logged_s=elapsed if timed else None,
         restarts=sum(1 for r in d.events if r.get("kind") == "resume"),
         stops=[str(r.get("reason", "?")) for r in d.events if r.get("kind") == "stop"],
-        finished=finished, output_rows=_count_lines(d.run_dir / "outputs.jsonl") if finished else None,
+        finished=finished, output_rows=_count_lines(RunPaths(d.run_dir).outputs) if finished else None,
         gpu_peak_mem=peak, gpu_mean_util=mean_util,
         peak_allocated_gib=max((v for r in d.infer if (v := _num(r.get("peak_mem_gib"))) is not None), default=None))
 

@@ -11,9 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from hpcgpu.cli import cli
-from hpcgpu.launch import jobs as jobs_mod
+from hpcgpu.launch import progress
+from hpcgpu.launch import state as jobs_mod
 from hpcgpu.contract import Failure, record_failure
-from hpcgpu.launch.jobs import first_failed_task, last_line, rank_error_line, tail_lines
+from hpcgpu.launch.joblogs import first_failed_task, last_line, rank_error_line, tail_lines
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import JobInfo, format_duration, parse_sacct, parse_squeue
 
@@ -320,5 +321,5 @@ def test_a_stopped_run_says_what_it_kept(tmp_path: Path, stop: dict, said: str) 
     saying "at a checkpoint" would promise a resume that is a fresh start."""
     records = [{"kind": "train", "step": 1}, {"kind": "stop", "reason": "signal", **stop}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert jobs_mod.stop_summary(tmp_path) == said
-    assert jobs_mod.stop_summary(tmp_path / "missing") == "stopped at a checkpoint"
+    assert progress.stop_summary(tmp_path) == said
+    assert progress.stop_summary(tmp_path / "missing") == "stopped at a checkpoint"

@@ -15,7 +15,9 @@ import yaml
 
 from conftest import CONFIGS, GOLDEN, REPO
 from hpcgpu.errors import HpcgpuError, SpecError, UsageError
-from hpcgpu.launch.jobs import array_state, exit_status, last_progress, shown_state
+from hpcgpu.launch.cancel import exit_status
+from hpcgpu.launch.progress import last_progress
+from hpcgpu.launch.state import array_state, shown_state
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.launch.preflight import RequestError, check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
@@ -406,7 +408,7 @@ def test_refresh_asks_once_for_all_and_never_again_for_final_jobs(tmp_path, monk
     answers (REQUEUED while a requeued job waits, arrays split at MaxArraySize) is tested on the real
     cluster (tests/slurm/test_submit.py, test_arrays_real.py). A forgotten job stays here: the test
     cluster keeps finished jobs for MinJobAge=3600 s, as the other tests need it to."""
-    from hpcgpu.launch import jobs as jobs_mod
+    from hpcgpu.launch import state as jobs_mod
 
     calls: list[list[str]] = []
     answers = {"1": JobInfo("1", "RUNNING", elapsed="0:05", nodes="n1"),

@@ -1,0 +1,104 @@
+"""Why a job failed: the rank that failed first, its node, exit code and last error line, in one reason.
+
+Sources, most trusted first: the failure records the ranks (or the local executor) wrote; srun's lines in
+the job's stderr (hpcgpu/launch/joblogs.py); the exit code SLURM gives.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpcgpu.contract import EXIT_STOPPED, Failure, read_failures
+from hpcgpu.launch.joblogs import (RANK_LABEL, TaskEnd, first_failed_task, last_line, log_files, rank_error_line,
+                                   tail_lines)
+from hpcgpu.launch.registry import JobRecord, TaskRecord, units_of
+
+
+FAILED_STATES = frozenset({"FAILED", "OUT_OF_MEMORY"})
+MESSAGE_CHARS = 300
+
+
+def explain_failures(job: JobRecord) -> bool:
+    """Give each FAILED unit of the job its reason, once (failure None: not looked at yet).
+    Returns whether anything changed."""
+    changed = False
+    for unit in units_of(job):
+        if unit.state in FAILED_STATES and unit.failure is None:
+            unit.failure, reason = failure_of(job, unit)
+            unit.reason = reason or unit.reason
+            changed = True
+    if job.is_array and changed and job.state in FAILED_STATES:
+        first = next((t for t in job.tasks if t.state in FAILED_STATES and t.reason), None)
+        job.reason = f"task {first.id}: {first.reason}" if first else job.reason
+    return changed
+
+
+def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, Any], str]:
+    """Which rank failed first, where, how, and its last error line -> (fields, one-line reason).
+
+    Sources, most trusted first: the failure records the ranks (or the local executor) wrote;
+    srun's lines in the job's stderr; the exit code SLURM gives. Fields are {} when no rank is known.
+    """
+    task = unit if isinstance(unit, TaskRecord) else None
+    unit_id = task.id if task else job.job_id
+    if job.executor == "local":
+        failure = latest_recorded_failure(Path(unit.run_dir), unit_id)
+        if failure is None:
+            return {}, ""  # the executor's own reason ("exit code N") stays
+        lines = tail_lines(log_files(job, task, failure.rank)[0])
+        return _described(replace(failure, message=failure.message or last_line(lines)))
+    out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
+    attempt = f"{unit_id}.{unit.restarts}"
+    recorded = read_failures(Path(unit.run_dir), attempt)  # this run's records, oldest first
+    failure = recorded[0] if recorded else None
+    srun = first_failed_task(err_lines) or first_failed_task(out_lines)
+    if srun is not None and (failure is None or killed_first(srun, recorded)):
+        failure = Failure(attempt, srun.rank, srun.node, srun.exit_code, "", time.time())
+    if failure is None and unit.exit_code == EXIT_STOPPED:
+        return {}, stopped_not_requeued(out_lines + err_lines, unit_id)
+    if failure is None:
+        line = last_line(err_lines, rank=None)  # the batch script's own: a setup line that failed
+        how = "no exit code known" if unit.exit_code is None else f"exit code {unit.exit_code}"
+        return {}, how + (f": {line}" if line else "")
+    message = failure.message or rank_error_line(failure.rank, err_lines, out_lines)
+    if not message and srun is not None and srun.rank == failure.rank and "exit code" not in srun.how:
+        message = srun.how  # "Out Of Memory", "Killed": better than nothing
+    node = failure.node or (srun.node if srun is not None and srun.rank == failure.rank else "")
+    return _described(replace(failure, message=message, node=node))
+
+
+def stopped_not_requeued(lines: list[str], unit_id: str) -> str:
+    """A run that stopped at a checkpoint (exit 75) and was not requeued (the cap, slurm.requeue false):
+    SLURM calls it FAILED; the reason says why it stayed stopped, in rank 0's words, and how to go on."""
+    line = next((line for line in reversed(lines) if "not requeuing" in line), "")
+    labelled = RANK_LABEL.match(line)
+    why = re.sub(r"^\d\d:\d\d:\d\d \[rank \d+\] ", "", (labelled.group(2) if labelled else line).strip())
+    return ("stopped at a checkpoint and not requeued" + (f" ({why})" if why else "")
+            + f"; `scontrol requeue {unit_id}` goes on from it")
+
+
+def killed_first(srun: TaskEnd, recorded: list[Failure]) -> bool:
+    """srun saw a rank end first killed outright (SIGKILL: the OOM killer, a node problem), so without a
+    record of its own among the run's: the recorded failures are peers' errors in a collective after it."""
+    return srun.exit_code == 128 + signal.SIGKILL and all(f.rank != srun.rank for f in recorded)
+
+
+def _described(failure: Failure) -> tuple[dict[str, Any], str]:
+    message = failure.message.strip()
+    if len(message) > MESSAGE_CHARS:
+        message = message[:MESSAGE_CHARS - 3] + "..."
+    failure = replace(failure, message=message)
+    fields = {"rank": failure.rank, "node": failure.node, "exit_code": failure.exit_code,
+              "signal": failure.signal_name, "message": message}
+    return fields, failure.describe()
+
+
+def latest_recorded_failure(run_dir: Path, unit_id: str) -> Failure | None:
+    """The first failure the ranks recorded in this local job's latest attempt that recorded one (a
+    SLURM run reads its own attempt's: failure_of); an older attempt's record never speaks for it."""
+    mine = [f for f in read_failures(run_dir) if f.attempt.startswith(f"{unit_id}.")]
+    return next((f for f in mine if f.attempt == mine[-1].attempt), None)
