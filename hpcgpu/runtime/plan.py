@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.estimate import auto_infer_batch, fmt_bytes, infer_batch_limit
+from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import batch_split, fixed_max_steps
 
@@ -240,8 +242,6 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
     (None on CPU); with it, an `auto` micro batch, strategy or gradient checkpointing comes from the
     memory estimate, for which count_model() gives (parameter count, model config). Without it: the
     CPU rule. num_sequences: data.train's sequence count (needed for train.epochs)."""
-    from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
-
     t = spec.train
     ranks = ranks_of_job(spec, world)
     fixed = fixed_strategy(spec, world)
@@ -402,11 +402,8 @@ def is_oom_successor(newer: RunPlan, older: RunPlan) -> bool:
 # ---------------------------------------------------------------- task: infer (pure)
 
 INFER_CPU_BATCH = 8  # rows a batch on CPU ranks (batch_size: auto)
-INFER_BATCH_CAP = {"generate": 256, "score": 64}  # the most rows a batch batch_size: auto gives on a GPU
-INFER_MIN_BATCHES = 16  # auto: batches small enough for this many (or rows / 8): up to 16 replicas all get work
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DTYPE_OF_PRECISION = {p: d for d, p in PRECISION_OF_DTYPE.items()}
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def infer_precision(model_dtype: str, device_type: str, bf16_supported: bool) -> str:
@@ -416,34 +413,18 @@ def infer_precision(model_dtype: str, device_type: str, bf16_supported: bool) ->
     return PRECISION_OF_DTYPE[model_dtype]
 
 
-def infer_row_bytes(mode: str, *, layers: int, kv_heads: int, head_dim: int, hidden: int, vocab: int,
-                    max_tokens: int, dtype_bytes: int) -> int:
-    """GPU memory one row of a batch needs beside the weights, roughly: generate, its KV cache at the
-    longest length plus the prefill's activations and the last position's logits (fp32); score, the
-    activations and the logits of every position (in the weights' dtype, then fp32 log-probabilities)."""
-    activations = max_tokens * hidden * 16 * dtype_bytes  # attention and MLP intermediates of one layer
-    if mode == "score":
-        return activations + max_tokens * vocab * (dtype_bytes + 8)
-    kv_cache = 2 * layers * kv_heads * head_dim * max_tokens * dtype_bytes
-    return kv_cache + activations + vocab * 16
-
-
 def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows: int, max_tokens: int,
                input_digest: str = "", budget_bytes: int | None = None,
                bytes_per_row: int | None = None) -> RunPlan:
     """The plan of a fresh `task: infer` job. budget_bytes: the GPU memory the rows of a batch may use
-    (the smallest over the replicas; None on CPU), bytes_per_row: one row's share (infer_row_bytes).
+    on one GPU of a replica (the smallest over the replicas' GPUs; None on CPU), bytes_per_row: one
+    row's share of it (gpu/estimate.py rows_room and row_bytes_per_gpu: the memory model
+    `hpcgpu estimate` shows).
 
-    batch_size: auto is 8 on CPU; on a GPU the largest power of two that fits the budget (a power of
-    two: GPUs of one kind whose free memory differs by a few MB choose the same), at most
-    INFER_BATCH_CAP, and small enough to make INFER_MIN_BATCHES batches where that leaves 8 rows or
-    more a batch (so that many replicas all get rows, and a stop comes soon). The batch never
-    depends on the replica count: the outputs do not either."""
-    from hpcgpu.gpu.estimate import fmt_bytes
-
+    batch_size: auto is 8 on CPU; on a GPU gpu/estimate.py auto_infer_batch: the largest power of two
+    that fits, capped. The batch never depends on the replica count: the outputs do not either."""
     inf = spec.infer
     mode = inf.mode
-    cap = INFER_BATCH_CAP[mode]
     fits = None
     if inf.batch_size != "auto":
         batch, reason = int(inf.batch_size), "batch size as the spec fixes it"
@@ -452,10 +433,7 @@ def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows
     else:
         fit = max(0, budget_bytes) // bytes_per_row
         fits = fit >= 1
-        spread = max(INFER_CPU_BATCH, _pow2_floor(-(-rows // INFER_MIN_BATCHES)))
-        batch = max(1, min(cap, spread, _pow2_floor(fit)))
-        limit = f"at most {cap}" if spread >= cap else \
-            f"at most {spread} for {INFER_MIN_BATCHES} batches of the {rows} rows"
+        batch, limit = auto_infer_batch(fit, mode, rows), infer_batch_limit(mode, rows)[1]
         reason = (f"{fmt_bytes(budget_bytes)} free beside the weights, about {fmt_bytes(bytes_per_row)} a row "
                   f"({max_tokens} tokens at most): {batch} rows a batch (the largest power of two that fits, "
                   f"{limit})")
@@ -464,8 +442,8 @@ def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows
                       f"weights (about {fmt_bytes(bytes_per_row)} a row): 1 row a batch; it may run out of memory")
     batches = -(-rows // batch)
     on_gpu = device_type == "cuda"
-    infer = InferPlan(mode=mode, replicas=world, gpus_per_replica=spec.gpus_per_task if on_gpu else 0, batch_size=batch, rows=rows,
-                      batches=batches, max_tokens=max_tokens,
+    infer = InferPlan(mode=mode, replicas=world, gpus_per_replica=spec.gpus_per_task if on_gpu else 0,
+                      batch_size=batch, rows=rows, batches=batches, max_tokens=max_tokens,
                       max_new_tokens=inf.max_new_tokens if mode == "generate" else None,
                       sampling=mode == "generate" and inf.temperature > 0, input_digest=input_digest,
                       bytes_per_row=bytes_per_row if budget_bytes is not None else None,
@@ -486,10 +464,6 @@ def infer_settings(spec: Spec) -> dict[str, Any]:
             out.update({"infer.temperature": inf.temperature, "infer.top_p": inf.top_p, "infer.top_k": inf.top_k,
                         "infer.seed": inf.seed})
     return json.loads(json.dumps(out))  # as plan.json will hold it
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
 
 
 def _check_recorded_infer(p: InferPlan, spec: Spec, refuse: Callable[..., HpcgpuError]) -> None:

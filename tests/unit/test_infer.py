@@ -20,7 +20,8 @@ import pytest
 
 from conftest import TINY_GPT2, job_env, kill_leftovers, merge, only_run_dir, submit_cmd, write_spec_file
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.runtime.plan import RunPlan, check_recorded, infer_row_bytes, plan_infer, with_replicas
+from hpcgpu.gpu.estimate import infer_dims, row_bytes_per_gpu
+from hpcgpu.runtime.plan import RunPlan, check_recorded, plan_infer, with_replicas
 from hpcgpu.spec import spec_from_raw
 
 pytestmark = pytest.mark.slow
@@ -456,8 +457,10 @@ def test_infer_plan_batch_from_memory_and_resume_with_other_replicas() -> None:
     cpu = plan_infer(spec, 2, device_type="cpu", precision="fp32", rows=45, max_tokens=40)
     assert (cpu.inference.batch_size, cpu.inference.batches, cpu.inference.gpus_per_replica) == (8, 6, 0)
     assert RunPlan.from_json(cpu.to_json()) == cpu
-    per_row = infer_row_bytes("generate", layers=32, kv_heads=8, head_dim=128, hidden=4096, vocab=128256,
-                              max_tokens=2048, dtype_bytes=2)
+    llama_8b = infer_dims({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                           "vocab_size": 128256})
+    per_row = row_bytes_per_gpu(llama_8b, "generate", 2048, 2)
     assert per_row > 2 * 32 * 8 * 128 * 2048 * 2  # the KV cache of one row, and more
     gpu = plan_infer(spec, 4, device_type="cuda", precision="bf16", rows=100_000, max_tokens=2048,
                      budget_bytes=50 * 2**30, bytes_per_row=per_row)

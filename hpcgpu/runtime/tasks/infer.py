@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from hpcgpu.contract import ENV_GPU_MEMORY, ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.estimate import MaxMemory, parse_max_memory
+from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
+                                 infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room)
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.infer_rows import Row, read_rows
 from hpcgpu.runtime import infer_outputs as outputs
@@ -61,8 +62,8 @@ from hpcgpu.runtime.dist import coordination_barrier, coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.model import load_for_inference, model_config, not_in_cache, placement
-from hpcgpu.runtime.plan import (DTYPE_BYTES, DTYPE_OF_PRECISION, RunPlan, check_recorded, infer_precision,
-                                 infer_row_bytes, plan_infer, recorded_plan, with_replicas)
+from hpcgpu.runtime.plan import (DTYPE_OF_PRECISION, RunPlan, check_recorded, gpu_memory_reading, infer_precision,
+                                 plan_infer, recorded_plan, with_replicas)
 from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan
 from hpcgpu.spec import Spec
 
@@ -70,8 +71,6 @@ log = logging.getLogger("hpcgpu")
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOG_EVERY_S = 10.0  # rank 0's progress line and metrics record, at most this often (and the first and last)
-HEADROOM = 0.9  # of the GPU memory free beside the weights, for the rows of a batch (the rest: allocator slack)
-HEADROOM_BYTES = 1 << 30  # and this much less again (CUDA graphs, library workspaces)
 
 
 # ---------------------------------------------------------------- tokenizer and rows
@@ -201,37 +200,35 @@ def batch_seed(seed: int, batch: int) -> int:
 
 # ---------------------------------------------------------------- the model
 
-def row_bytes(config: Any, mode: str, max_tokens: int, precision: str) -> int:
-    heads = getattr(config, "num_attention_heads", None) or 1
-    hidden = getattr(config, "hidden_size", None) or 0
-    return infer_row_bytes(mode, layers=getattr(config, "num_hidden_layers", None) or 1,
-                           kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                           head_dim=getattr(config, "head_dim", None) or max(1, hidden // heads), hidden=hidden,
-                           vocab=getattr(config, "vocab_size", None) or 0, max_tokens=max_tokens,
-                           dtype_bytes=DTYPE_BYTES[precision])
+def row_bytes(config: Any, mode: str, max_tokens: int, precision: str, gpus: int | None = None) -> int | None:
+    """GPU memory one row of `max_tokens` tokens needs on one GPU of this replica (of `gpus`, default
+    the GPUs this process sees: the replica's group), by gpu/estimate.py's model, the one `hpcgpu
+    estimate` shows; None for a config it cannot read (the batch is then the CPU one)."""
+    try:
+        d = infer_dims(config)
+    except (HpcgpuError, TypeError, ValueError):
+        return None
+    gpus = gpus or torch.cuda.device_count() or 1
+    return row_bytes_per_gpu(d, mode, max_tokens, compute_bytes(DTYPE_OF_PRECISION[precision]), gpus)
 
 
 def memory_budget(model: torch.nn.Module, device: torch.device, cap: int | None) -> int | None:
-    """GPU memory the rows of a batch may use: what the replica's GPUs have free beside the weights
-    less headroom, within infer.max_memory's cap per GPU (weights included); None on CPU ranks.
-    HPCGPU_GPU_MEMORY stands for the card's memory (as for train), on CPU ranks too."""
+    """GPU memory the rows of a batch may use on one GPU of this replica: the least over its GPUs of
+    what each has free beside its weights less headroom, within infer.max_memory's cap per GPU
+    (gpu/estimate.py rows_room; every GPU of a split holds the whole batch's activations); None on
+    CPU ranks. HPCGPU_GPU_MEMORY stands for each card's memory (as for train), on CPU ranks too."""
     if os.environ.get(ENV_GPU_MEMORY):
-        from hpcgpu.runtime.plan import gpu_memory_reading
-
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 1
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        free = [(gpu_memory_reading(device) or 0) - weights]
-        held = [weights]
+        held = [-(-weights // max(1, gpus))] * max(1, gpus)
+        free = [(gpu_memory_reading(device) or 0) - h for h in held]
     elif device.type == "cuda":
         gpus = range(torch.cuda.device_count())  # the replica's group only (bound before CUDA started)
         free = [int(torch.cuda.mem_get_info(i)[0]) for i in gpus]
         held = [int(torch.cuda.memory_allocated(i)) for i in gpus]
     else:
         return None
-    budget = 0
-    for f, h in zip(free, held):
-        room = int(f * HEADROOM) - HEADROOM_BYTES
-        budget += max(0, min(room, cap - h) if cap is not None else room)
-    return budget
+    return min(rows_room(f, None if cap is None else cap - h) for f, h in zip(free, held))
 
 
 def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.device, cap: MaxMemory) -> None:
@@ -239,8 +236,6 @@ def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.de
     setting that would, before anything loads (instead of an out-of-memory error minutes later)."""
     if device.type != "cuda":
         return
-    from hpcgpu.gpu.estimate import config_weight_bytes, fewest_gpus_per_replica, fmt_bytes
-
     fmt = spec.model.quantization if spec.model.quantization != "none" else DTYPE_OF_PRECISION[precision]
     try:
         weights = config_weight_bytes(config, fmt)
