@@ -11,7 +11,8 @@ own training loop also gets the spec's strategy, precision and checkpoints throu
     ctx.save(step)                          # model, optimizer, scheduler, RNG, loader positions
     if ctx.should_stop(): return ctx.stop(step)   # checkpoint, requeue under SLURM, exit code 75
 
-runtime/prepare.py and runtime/loader.py hold the work; the methods here only route to them.
+runtime/engine.py (the one training engine, also under task: train), runtime/loader.py and
+runtime/stop.py hold the work; the methods here only route to them.
 """
 from __future__ import annotations
 
@@ -21,24 +22,25 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sized
+from typing import Any, Sized
 
 import torch
 
 from hpcgpu.contract import ENV_SPEC, RunPaths
+from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
+from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun
 from hpcgpu.runtime.diagnostics import print_startup_line
+from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu, sync_batchnorm
 from hpcgpu.runtime.env import DistEnv, bind_gpu_group
+from hpcgpu.runtime.loader import ResumableLoader, cpus_per_rank, merged_options, per_rank_batch, recommended_options
 from hpcgpu.runtime.logsetup import setup_logging
+from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.plan import RunPlan, plan_own_loop
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
+from hpcgpu.runtime.stop import StopNote, stop_job
 from hpcgpu.spec import Spec, dump_spec, load_spec
-
-if TYPE_CHECKING:
-    from hpcgpu.runtime.loader import ResumableLoader
-    from hpcgpu.runtime.metrics import MetricsWriter
-    from hpcgpu.runtime.plan import RunPlan
-    from hpcgpu.runtime.prepare import Prepared
 
 log = logging.getLogger("hpcgpu")
 
@@ -52,7 +54,7 @@ class Context:
     checkpoint: Any = None  # a checkpoint manager, set by tasks that checkpoint
     plan: RunPlan | None = None  # the task's run plan, set by tasks that make one (train)
     stop_flag: StopFlag = field(default_factory=StopFlag)
-    prepared: Prepared | None = None  # what ctx.prepare set up
+    engine: Engine | None = None  # what ctx.prepare set up
     loaders: list[ResumableLoader] = field(default_factory=list)  # every ctx.data_loader: saved by ctx.save
     loader_states: list[dict[str, int]] = field(default_factory=list)  # resumed, for loaders made after resume
     _metrics: MetricsWriter | None = None
@@ -82,48 +84,65 @@ class Context:
         _dist.barrier()
 
     # ------------------------------------------------------------ the user's training loop
+    def loop_plan(self) -> RunPlan:
+        """The run plan of the user's own loop, made once: ctx.prepare and ctx.data_loader read it."""
+        if self.plan is None:
+            bf16 = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+            self.plan = plan_own_loop(self.spec, self.world_size, device_type=self.device.type, bf16_supported=bf16)
+        return self.plan
+
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: Any = None) -> tuple[Any, Any]:
         """The model on this rank's device under the spec's strategy (DDP with distributed.ddp, DeepSpeed,
         or bare for one rank), BatchNorm synced per distributed.sync_batchnorm, the precision of
         train.precision; registered for ctx.save/ctx.resume. Returns (model, optimizer) to use from
         now on: the DDP wrapper or DeepSpeed engine, and the optimizer (DeepSpeed's wrapper of it)."""
-        from hpcgpu.runtime.prepare import prepare
+        if self.engine is not None:
+            raise HpcgpuError("ctx.prepare was called twice; one model and optimizer per job")
+        plan = self.loop_plan()
+        setting = self.spec.distributed.sync_batchnorm if self.spec is not None else "auto"
+        module = sync_batchnorm(model, setting, self.device, self.world_size)
+        ds = None
+        if plan.training.strategy == "deepspeed":
+            assert self.spec is not None  # deepspeed is only ever the spec's choice
+            deepspeed_on_cpu(self.device)
+            ds = DeepSpeedRun.for_plan(self.spec, plan)
+        else:
+            module = module.to(self.device)  # in place: the optimizer's parameters stay the module's
+        engine = Engine(self.spec, plan, self.device, module, optimizer, scheduler, ds=ds)
+        engine.wrap()
+        log.info(f"ctx.prepare: {engine.describe()} on {self.device} x {self.world_size}, {plan.precision}")
+        self.engine = engine
+        return engine.model, engine.user_optimizer
 
-        self.prepared = prepare(self, model, optimizer, scheduler)
-        return self.prepared.model, self.prepared.optimizer
+    def _engine(self, what: str) -> Engine:
+        if self.engine is None:
+            raise HpcgpuError(f"{what} needs ctx.prepare(model, optimizer) first")
+        return self.engine
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for the forward pass and loss (a no-op in fp32, which CPU ranks use)."""
-        from hpcgpu.runtime.prepare import prepared_of
-
-        return prepared_of(self, "ctx.autocast").autocast()
+        return self._engine("ctx.autocast").autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() through the fp16 GradScaler or the DeepSpeed engine."""
-        from hpcgpu.runtime.prepare import prepared_of
-
-        prepared_of(self, "ctx.backward").backward(loss)
+        self._engine("ctx.backward").backward(loss)
 
     def step(self) -> None:
         """One optimizer step: gradients clipped to train.grad_clip (0: not clipped), the step (through
         the scaler or the engine), zero_grad, then the scheduler's step."""
-        from hpcgpu.runtime.prepare import prepared_of
-
-        prepared_of(self, "ctx.step").step()
+        self._engine("ctx.step").optimizer_step()
 
     def data_loader(self, dataset: Sized, batch_size: int | None = None, *, shuffle: bool = True,
                     drop_last: bool = False, seed: int | None = None, **options: Any) -> ResumableLoader:
         """A DataLoader over this rank's share of a seeded per-epoch order (runtime/loader.py), saved
-        and resumed mid-epoch by ctx.save/ctx.resume. batch_size: per rank; None: train.global_batch_size
-        / world. seed: train.seed. Workers, pin_memory, prefetch_factor and persistent_workers follow
-        the recommendation for this machine; keyword arguments (any DataLoader's) win over it."""
-        from hpcgpu.runtime.loader import (ResumableLoader, cpus_per_rank, merged_options, per_rank_batch,
-                                           recommended_options)
-
+        and resumed mid-epoch by ctx.save/ctx.resume. batch_size: per rank; None: the run plan's batch
+        per rank (train.global_batch_size / world). seed: train.seed. Workers, pin_memory,
+        prefetch_factor and persistent_workers follow the recommendation for this machine; keyword
+        arguments (any DataLoader's) win over it."""
         spec = self.spec
         if batch_size is None:
-            batch_size = per_rank_batch(spec.train.global_batch_size if spec else None, self.world_size)
+            batch_size = per_rank_batch(self.loop_plan())
         cpus = cpus_per_rank(spec.resources.cpus_per_gpu if spec else None, self.env.local_world_size)
         loader = ResumableLoader(dataset, batch_size=batch_size, rank=self.rank, world=self.world_size,
                                  seed=(spec.train.seed if spec else 0) if seed is None else seed, shuffle=shuffle,
@@ -134,33 +153,53 @@ class Context:
         self.loaders.append(loader)
         return loader
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, *, blocking: bool | None = None) -> None:
         """Collective: a checkpoint at `step` (checkpoint.async: in the background) of the model,
         optimizer, scheduler, every RNG and every ctx.data_loader's position."""
-        from hpcgpu.runtime.prepare import save
-
-        save(self, step)
+        engine = self._engine("ctx.save")
+        if self.checkpoint is None:
+            raise HpcgpuError("ctx.save needs a spec (checkpoints go to <run dir>/checkpoints); run the job "
+                              "through hpcgpu or pass hpcgpu.init(spec)")
+        state = {"step": step, "prepared": engine.rank_state(),
+                 "loaders": [loader.state_dict() for loader in self.loaders]}
+        engine.save(self.checkpoint, step, state, {"restart_count": self.env.restart_count}, blocking=blocking)
 
     def resume(self) -> int:
         """Collective: restore the newest complete checkpoint; returns its step, or 0 without one."""
-        from hpcgpu.runtime.prepare import resume
+        engine = self._engine("ctx.resume")
+        loaded = engine.resume(self.checkpoint, self.rank) if self.checkpoint is not None else None
+        if loaded is None:
+            return 0
+        path, state = loaded
+        engine.load_rank_state(state["prepared"])
+        self._restore_loaders(state["loaders"])
+        step = int(state["step"])
+        self.checkpoint.last_saved_step = step
+        self.metrics.write("resume", step=step, checkpoint=path.name, restart_count=self.env.restart_count)
+        log.info(f"resuming at step {step} from {path.name}")
+        return step
 
-        return resume(self)
+    def _restore_loaders(self, states: list[dict[str, int]]) -> None:
+        """Loaders are matched by the order they were made in; those made after ctx.resume take theirs then."""
+        for loader, state in zip(self.loaders, states):
+            loader.load_state_dict(state)
+        self.loader_states = list(states[len(self.loaders):])
 
     def stop(self, step: int) -> int:
         """After should_stop(): checkpoint at `step`, requeue under SLURM (rank 0, within
-        slurm.max_requeues); returns 75, the exit code of a stopped run, for the entry to return."""
-        from hpcgpu.runtime.prepare import stop
-
-        return stop(self, step)
+        slurm.max_requeues); returns 75, the exit code of a stopped run, for the entry to return. A
+        SIGTERM that was srun ending the step after another rank failed is that crash: raised."""
+        if self.spec is None:
+            raise HpcgpuError("ctx.stop needs a spec (checkpoints, requeue); run the job through hpcgpu")
+        self.save(step, blocking=True)
+        note = StopNote({"step": step}, f"stopped at step {step} with a checkpoint")
+        return stop_job(self.spec, self.env, self.run_dir, self.stop_flag.signum, note, self.metrics)
 
     @property
     def metrics(self) -> MetricsWriter:
         """<run dir>/metrics.jsonl (rank 0 writes; elsewhere a no-op): `ctx.metrics.write("train",
         step=..., loss=...)` is what `hpcgpu status` and `hpcgpu report` show."""
         if self._metrics is None:
-            from hpcgpu.runtime.metrics import MetricsWriter
-
             self._metrics = MetricsWriter(RunPaths(self.run_dir).metrics, enabled=self.is_main)
         return self._metrics
 
@@ -173,7 +212,7 @@ class Context:
             if self._metrics is not None:
                 self._metrics.close()
             # the DDP wrapper (its reducer holds the process group) goes with the gc.collect() below
-            self.prepared = None
+            self.engine = None
             self.loaders.clear()
             self.stop_flag.restore()
             reset_cpu_group()

@@ -120,6 +120,11 @@ class DeepSpeedRun:
             self.deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(),
                                             auto_mpi_discovery=False)
 
+    @classmethod
+    def for_plan(cls, spec: Spec, plan: RunPlan) -> "DeepSpeedRun":
+        """The one place a run's DeepSpeed config is built: the plan's, with the user's JSON merged in."""
+        return cls(merged_config(spec, generated_config(spec, plan)))
+
     @property
     def zero3(self) -> bool:
         return self.config["zero_optimization"]["stage"] == 3
@@ -129,7 +134,7 @@ class DeepSpeedRun:
         from_config/from_pretrained partition parameters at creation (a bare zero.Init around
         from_config gives wrong initial weights)."""
         if self.zero3:
-            from transformers.integrations import HfDeepSpeedConfig
+            from transformers.integrations import HfDeepSpeedConfig  # transformers: only where ZeRO-3 needs it
 
             self.hf_hook = HfDeepSpeedConfig(self.config)
 

@@ -16,6 +16,8 @@ import sys
 import time
 from importlib import metadata
 
+from hpcgpu.gpu.busy import select
+from hpcgpu.gpu.source import default_source
 from hpcgpu.runtime.env import DistEnv
 
 GiB = 1024 ** 3
@@ -39,9 +41,6 @@ def nccl_version() -> str:
 
 def visible_gpus() -> str:
     """'GPU 1: NVIDIA H100 80GB HBM3, 79.6 GiB; ...' for the GPUs this rank can use, 'none' or 'no NVML'."""
-    from hpcgpu.gpu.busy import select
-    from hpcgpu.gpu.source import default_source
-
     try:
         source = default_source()
         if not source.available():

@@ -23,6 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.recommend import loader_workers
+from hpcgpu.runtime.plan import RunPlan
 
 ORDER_SEED_STRIDE = 1_000_003  # as BatchSchedule: seed s, epoch e -> generator seed s * stride + e
 
@@ -79,8 +81,6 @@ def recommended_options(cpus: int, on_gpu: bool) -> dict[str, Any]:
     """DataLoader settings for a rank with `cpus` cores: the loader workers `hpcgpu hw` recommends
     (gpu/recommend.py), page-locked batches on a GPU (an asynchronous copy), workers kept between
     epochs and two batches in flight each."""
-    from hpcgpu.gpu.recommend import loader_workers
-
     workers = loader_workers(cpus)
     options: dict[str, Any] = {"num_workers": workers, "pin_memory": on_gpu}
     if workers > 0:
@@ -164,12 +164,10 @@ class ResumableLoader:
         self.pos = LoaderPosition(int(state["epoch"]), int(state["batches"]))
 
 
-def per_rank_batch(spec_global_batch: int | None, world: int) -> int:
-    """The default batch of a rank: train.global_batch_size / world, so that the global batch (and with
-    it the loss curve) stays the same whatever the number of ranks."""
-    if spec_global_batch is None:
-        raise HpcgpuError("ctx.data_loader needs batch_size= without a spec (train.global_batch_size)")
-    from hpcgpu.spec.derive import batch_split
-
-    per_rank, _ = batch_split(spec_global_batch, world, ranks="world size of this job")
-    return per_rank
+def per_rank_batch(plan: RunPlan) -> int:
+    """The default batch of a rank: the run plan's share of train.global_batch_size, so that the global
+    batch (and with it the loss curve) stays the same whatever the number of ranks."""
+    if not plan.training.batch_per_rank:  # no spec, or a global batch the ranks cannot split
+        raise HpcgpuError(f"ctx.data_loader needs batch_size= without a spec (train.global_batch_size) or "
+                          f"where the ranks cannot split it: {plan.reason}")
+    return plan.training.batch_per_rank

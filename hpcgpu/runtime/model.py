@@ -10,6 +10,7 @@ import torch
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import MaxMemory
 from hpcgpu.spec import Spec
+from hpcgpu.spec.load import is_local_path
 
 SPEC_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
                                               "float16": torch.float16}
@@ -74,8 +75,6 @@ def not_in_cache(name: str | None) -> str | None:
     """The error for a hub id this node's Hugging Face cache lacks (the job does not download:
     runtime/tasks sets HF_HUB_OFFLINE=1 unless the spec's env says otherwise); None for a folder."""
     import os
-
-    from hpcgpu.spec.load import is_local_path
 
     if not name or is_local_path(name) or os.path.isdir(name):
         return None

@@ -34,7 +34,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
 from hpcgpu.errors import HpcgpuError
@@ -42,9 +42,6 @@ from hpcgpu.gpu.estimate import auto_infer_batch, fmt_bytes, infer_batch_limit
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import batch_split, fixed_max_steps
-
-if TYPE_CHECKING:
-    from hpcgpu.runtime.context import Context
 
 log = logging.getLogger("hpcgpu")
 
@@ -271,11 +268,10 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         raise HpcgpuError(f"distributed.ddp.static_graph: true does not work with gradient accumulation "
                           f"(this run accumulates {accum} micro batches); set it to false or give "
                           "train.micro_batch_size = global batch / GPUs")
-    ds = spec.distributed.deepspeed
     if strategy != "deepspeed":
         stage, off_opt, off_params = None, False, False
     elif fixed:  # the spec's own DeepSpeed settings, as written
-        stage, off_opt, off_params = ds.zero_stage, ds.offload_optimizer, ds.offload_params
+        stage, off_opt, off_params = spec_deepspeed(spec)
     else:  # auto chose DeepSpeed: the stage and offload come with the choice
         stage, off_opt, off_params = rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer"
     estimated = auto and gpu_memory is not None
@@ -288,6 +284,35 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         gradient_checkpointing=rec.checkpointing, fused_loss=fused)
     return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
                    reason=reason, gpu_memory=gpu_memory, train=train)
+
+
+def spec_deepspeed(spec: Spec) -> tuple[int, bool, bool]:
+    """(ZeRO stage, offload optimizer, offload params) as distributed.deepspeed writes them."""
+    ds = spec.distributed.deepspeed
+    return ds.zero_stage, ds.offload_optimizer, ds.offload_params
+
+
+def plan_own_loop(spec: Spec | None, world: int, *, device_type: str, bf16_supported: bool) -> RunPlan:
+    """The plan of the user's own loop (ctx.prepare, ctx.data_loader): strategy and precision as for
+    task: train, and one micro batch of the rank's share per optimizer step (ctx.step steps every
+    time). Nothing estimated or compiled: the model is the user's. batch_per_rank 0: no share (no
+    spec, or a global batch the ranks cannot split, which only DeepSpeed and a default batch need)."""
+    precision = resolve_precision(spec.train.precision if spec is not None else "auto", device_type, bf16_supported)
+    strategy = (fixed_strategy(spec, world) if spec is not None else None) or ("ddp" if world > 1 else "none")
+    reason, per_rank = "the user's own loop (ctx.prepare)", 0
+    if spec is not None:
+        try:
+            per_rank, _ = batch_split(spec.train.global_batch_size, world, ranks=ranks_of_job(spec, world))
+        except HpcgpuError as exc:
+            if strategy == "deepspeed":
+                raise
+            reason += f"; no batch per rank: {exc}"
+    stage, off_opt, off_params = spec_deepspeed(spec) if spec is not None and strategy == "deepspeed" \
+        else (None, False, False)
+    train = TrainPlan(global_batch=spec.train.global_batch_size if spec is not None else 0, seq_len=0,
+                      batch_per_rank=per_rank, micro_batch=per_rank, accum=1, strategy=strategy, zero_stage=stage,
+                      offload_optimizer=off_opt, offload_params=off_params)
+    return RunPlan(task="callable", world_size=world, precision=precision, reason=reason, train=train)
 
 
 # model types whose logits are exactly lm_head(base_model(...).last_hidden_state): no logit scaling or
@@ -352,11 +377,15 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
     if spec.train.fused_loss != t.fused_loss:  # the micro batch was sized for it
         raise refuse("train.fused_loss", str(t.fused_loss).lower(),
                      f"the spec now says {str(not t.fused_loss).lower()}", "use the recorded setting")
+    _check_recorded_strategy(t, spec, world, refuse)
+
+
+def _check_recorded_strategy(t: TrainPlan, spec: Spec, world: int, refuse: Callable[..., HpcgpuError]) -> None:
+    """A strategy the spec now fixes must be the recorded one (DeepSpeed: with its stage and offload)."""
     fixed = fixed_strategy(spec, world)
     ds = spec.distributed.deepspeed
     if fixed is not None and (fixed != t.strategy or fixed == "deepspeed" and (
-            ds.zero_stage, ds.offload_optimizer, ds.offload_params) != (t.zero_stage, t.offload_optimizer,
-                                                                       t.offload_params)):
+            spec_deepspeed(spec) != (t.zero_stage, t.offload_optimizer, t.offload_params))):
         now = fixed if fixed != "deepspeed" else (
             f"deepspeed ZeRO-{ds.zero_stage}" + (" offload optimizer" if ds.offload_optimizer else "")
             + (" offload params" if ds.offload_params else ""))
@@ -552,7 +581,7 @@ def gpu_memory_reading(device: Any, environ: Mapping[str, str] | None = None) ->
     return None
 
 
-def settle_plan(ctx: Context, spec: Spec, paths: RunPaths, num_sequences: int | None = None) -> RunPlan:
+def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequences: int | None = None) -> RunPlan:
     """The plan of this job, decided once: the recorded one on a resume (checked against this job),
     else a fresh one. Every rank reads the same files and the agreed (smallest) GPU memory, so every
     rank settles on the same plan. Collective where the GPU memory is agreed. num_sequences: the
@@ -560,7 +589,7 @@ def settle_plan(ctx: Context, spec: Spec, paths: RunPaths, num_sequences: int | 
     recorded = recorded_plan(paths)
     if recorded is not None:
         plan, source = recorded
-        check_recorded(plan, source, spec, ctx.world_size)
+        check_recorded(plan, source, spec, world)
         if plan.train is not None and not plan.train.max_steps:  # recorded by an older hpcgpu
             steps, per_epoch = train_steps(spec, num_sequences)
             plan = dataclasses.replace(plan, train=dataclasses.replace(
@@ -570,21 +599,22 @@ def settle_plan(ctx: Context, spec: Spec, paths: RunPaths, num_sequences: int | 
         return plan
     if spec.task != "train":  # task: infer settles its own (runtime/tasks/infer.py: it needs the model first)
         raise HpcgpuError(f"task: {spec.task} has no run plan in this version")
+    # torch (and runtime/dist with it) only here, in the job: the host imports this module for plans
     import torch
 
     from hpcgpu.runtime.dist import agreed_min
 
-    reading = gpu_memory_reading(ctx.device)
+    reading = gpu_memory_reading(device)
     # the smallest card decides: ranks on mixed GPUs must choose the same micro batch and strategy
-    agreed = agreed_min(reading, ctx.device) if reading is not None else None
-    bf16 = ctx.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    agreed = agreed_min(reading, device) if reading is not None else None
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def count_model() -> tuple[int | None, Any]:
         from hpcgpu.gpu.estimate import count_params
 
         return count_params(spec)  # meta device: no weights
 
-    plan = plan_train(spec, ctx.world_size, device_type=ctx.device.type, gpu_memory=agreed, bf16_supported=bf16,
+    plan = plan_train(spec, world, device_type=device.type, gpu_memory=agreed, bf16_supported=bf16,
                       count_model=count_model, num_sequences=num_sequences)
     (log.warning if plan.training.fits is False else log.info)(f"run plan: {plan.summary()}; {plan.reason}")
     return plan

@@ -16,16 +16,29 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from hpcgpu.runtime.metrics import MetricsWriter
-    from hpcgpu.runtime.tasks.train import Trainer
+from hpcgpu.gpu.peak import peak_flops
+from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.plan import TrainPlan
 
 log = logging.getLogger("hpcgpu")
+
+
+class Steps(Protocol):
+    """What the step log reads of the trainer (runtime/tasks/train.py's Trainer)."""
+
+    device: torch.device
+    tp: TrainPlan
+    step: int
+    max_steps: int
+    last_lr: float
+    tokens_seen: int
+    flops_per_token: float
+    world: int
 
 
 class Marks(Protocol):
@@ -135,8 +148,6 @@ def ranks_mean(value: torch.Tensor) -> torch.Tensor:
 def peak_flops_here(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    from hpcgpu.gpu.peak import peak_flops
-
     return peak_flops(torch.cuda.get_device_name(device))
 
 
@@ -145,7 +156,7 @@ class StepLog:
     order. Collective: every rank logs the same steps (the loss is averaged over them). See the module
     docstring for why, on a GPU, a step's record is written a little later than its step."""
 
-    def __init__(self, tr: Trainer, metrics: MetricsWriter, bar: Any, marks: Marks | None = None):
+    def __init__(self, tr: Steps, metrics: MetricsWriter, bar: Any, marks: Marks | None = None):
         self.tr, self.metrics, self.bar = tr, metrics, bar
         self.cuda = tr.device.type == "cuda"
         self.peak = peak_flops_here(tr.device)

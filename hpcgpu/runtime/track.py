@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from hpcgpu.contract import RunPaths
 from hpcgpu.spec import Spec
+from hpcgpu.spec.load import spec_to_dict
 
 log = logging.getLogger("hpcgpu")
 
@@ -212,8 +213,6 @@ class Tracking:
 
     def config_values(self) -> dict[str, Any]:
         """The resolved spec and the run plan (plan.json, written before the first step)."""
-        from hpcgpu.spec.load import spec_to_dict
-
         values: dict[str, Any] = {"spec": spec_to_dict(self.spec) if self.spec is not None else None, "plan": None}
         if self.paths is not None and self.paths.plan.exists():
             try:

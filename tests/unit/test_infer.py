@@ -393,7 +393,7 @@ def test_stop_strings_cut_the_completion() -> None:
     from hpcgpu.infer_rows import Row
     from hpcgpu.runtime.data import ByteTokenizer
     from hpcgpu.runtime.model import build_model
-    from hpcgpu.runtime.tasks.infer import Codec, Engine, encode_rows
+    from hpcgpu.runtime.tasks.infer import BatchRunner, Codec, encode_rows
 
     rows = [Row(i, i, i + 1, prompt=prompt(i)) for i in range(4)]
 
@@ -402,7 +402,7 @@ def test_stop_strings_cut_the_completion() -> None:
                               "infer": {"input": "x.jsonl", "max_new_tokens": 12, **infer}})
         codec = Codec(ByteTokenizer(), "model.config")
         model = build_model(spec, 0).eval()
-        engine = Engine(spec, model, codec, encode_rows(rows, codec, "generate", "x.jsonl"), rows,
+        engine = BatchRunner(spec, model, codec, encode_rows(rows, codec, "generate", "x.jsonl"), rows,
                         torch.device("cpu"))
         return engine.run(0, list(range(4))).records
 

@@ -22,7 +22,7 @@ def test_a_compiled_model_gets_large_buckets_and_any_other_torchs() -> None:
 def test_ctx_prepare_sees_a_model_compiled_either_way() -> None:
     import torch
 
-    from hpcgpu.runtime.prepare import is_compiled
+    from hpcgpu.runtime.engine import is_compiled
 
     assert not is_compiled(torch.nn.Linear(2, 2))
     assert is_compiled(torch.compile(torch.nn.Linear(2, 2)))  # compiles lazily: nothing runs here

@@ -7,23 +7,22 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hpcgpu.contract import EXIT_STOPPED, Failure, RunPaths, attempt_id, record_failure
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.runtime.env import DistEnv
+from hpcgpu.runtime.requeue import TornDown, peer_failure, requeue_after_crash
+from hpcgpu.runtime.tasks.command import run_command
 from hpcgpu.spec import Spec
-
-if TYPE_CHECKING:
-    from hpcgpu.runtime.env import DistEnv
 
 MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
 
 
 def _dispatch(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     if spec.task == "command":
-        from hpcgpu.runtime.tasks.command import run_command
-
         return run_command(spec, spec_path, paths)
+    # the other tasks load torch (train and infer transformers too): only the one that runs, and never
+    # for task: command, whose wrapper stays light beside the user's program
     if spec.task == "callable":
         from hpcgpu.runtime.tasks.callable import run_callable
 
@@ -42,7 +41,7 @@ def _dispatch(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         from hpcgpu.runtime.tasks.infer import run_infer
 
         return run_infer(spec, paths)
-    raise HpcgpuError(f"task: {spec.task} is not available yet in this version; use train, command or callable")
+    raise HpcgpuError(f"task: {spec.task} is not a task of this version; use train, infer, command or callable")
 
 
 def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
@@ -53,9 +52,6 @@ def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     at most that often; a stop after a preemption signal is handled by the task itself and never
     counts as a crash; a rank stopped because another rank failed is neither.
     """
-    from hpcgpu.runtime.env import DistEnv
-    from hpcgpu.runtime.requeue import TornDown, requeue_after_crash
-
     env = DistEnv.from_environ()
     run_dir = paths.run_dir
     try:
@@ -79,17 +75,22 @@ def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
-        first = failed_first(env, run_dir)
-        if first is None:
-            record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
-        else:  # a collective broke because a peer died: that peer's failure is the job's
-            print(f"hpcgpu: rank {env.rank} failed after {first.describe()}", file=sys.stderr, flush=True)
-        requeue_after_crash(env, spec, run_dir)
+        crashed(env, spec, run_dir, exc)
         raise
     if code not in (0, EXIT_STOPPED):
         record(env, run_dir, code, "")
         requeue_after_crash(env, spec, run_dir)
     return code
+
+
+def crashed(env: DistEnv, spec: Spec, run_dir: Path, exc: BaseException) -> None:
+    """Record the crash (or name the peer whose death broke a collective) and requeue if asked."""
+    first = failed_first(env, run_dir)
+    if first is None:
+        record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
+    else:  # a collective broke because a peer died: that peer's failure is the job's
+        print(f"hpcgpu: rank {env.rank} failed after {first.describe()}", file=sys.stderr, flush=True)
+    requeue_after_crash(env, spec, run_dir)
 
 
 def short(text: str) -> str:
@@ -102,8 +103,6 @@ PEER_WAIT_S = 1.0  # a peer killed outright is recorded by its launcher a moment
 
 def failed_first(env: DistEnv, run_dir: Path) -> Failure | None:
     """Another rank's failure of this attempt, if one is (or within PEER_WAIT_S gets) recorded."""
-    from hpcgpu.runtime.requeue import peer_failure
-
     deadline = time.monotonic() + PEER_WAIT_S
     while True:
         failure = peer_failure(env, run_dir)

@@ -7,17 +7,19 @@ import subprocess
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Callable
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
-from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, EXIT_STOPPED, RunPaths
+from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, RunPaths
+from hpcgpu.gpu.nvml import gpu_count
 from hpcgpu.runtime.diagnostics import print_startup_line
 from hpcgpu.runtime.early import early_signal, release_others
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.procs import child_dies_with_me
 from hpcgpu.runtime.preempt import stop_signals
-from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
+from hpcgpu.runtime.stop import StopNote, stop_job
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import nccl_env
 
@@ -44,8 +46,6 @@ def ranks_have_gpus(environ: dict[str, str]) -> bool:
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
         return False
-    from hpcgpu.gpu.nvml import gpu_count
-
     return gpu_count() > 0
 
 
@@ -53,8 +53,6 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     env = DistEnv.from_environ()
     setup_logging(env)
     print_startup_line(env)
-    run_dir = paths.run_dir
-    argv = list(spec.command or [])
     stops = stop_signals(spec)
     received: list[int] = []
     proc: subprocess.Popen | None = None
@@ -68,15 +66,8 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     release_others(stops)
     try:
         if early_signal(stops) is not None or received:
-            return stop_before_start(spec, env)
-        try:
-            program_env = command_env(spec, spec_path, paths, env)
-            # through a shim that dies with this wrapper: no program outlives a killed launcher
-            proc = subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
-        except FileNotFoundError:
-            raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
-        except PermissionError:
-            raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
+            return stop_before_start(spec, env, paths.run_dir)
+        proc = start_program(spec, spec_path, paths, env)
         if received:
             proc.send_signal(received[0])  # it came in the instant the program was being started
         # local rank 0 of each node samples the node's GPUs while the program runs, as for train
@@ -91,17 +82,32 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
     if not received:
         return code
-    why = torn_down_by(spec, env, received[0], run_dir)
-    if why is not None:
-        raise TornDown(why, code)
     # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
-    reason = stop_reason(spec, env)
-    if env.is_main:  # one line per job; rank 0 is the one that knows (it asks the controller)
-        print(f"hpcgpu: {describe_stop(reason)}: the program exited with code {code} after the stop signal",
-              flush=True)
-    requeue(env, spec, reason)
-    return EXIT_STOPPED
+    note = StopNote({}, f"the program exited with code {code} after the stop signal")
+    return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
+
+
+def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> subprocess.Popen:
+    argv = list(spec.command or [])
+    try:
+        program_env = command_env(spec, spec_path, paths, env)
+        # through a shim that dies with this wrapper: no program outlives a killed launcher
+        return subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
+    except FileNotFoundError:
+        raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
+    except PermissionError:
+        raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
+
+
+def rank0_prints(env: DistEnv) -> Callable[[str], None]:
+    """The stop line of the command task: printed among the program's output, once per job, by rank 0
+    (the one that knows the reason: it asks the controller)."""
+    def say(text: str) -> None:
+        if env.is_main:
+            print(f"hpcgpu: {text}", flush=True)
+
+    return say
 
 
 OUR_COPY_WAIT_S = 2.0
@@ -116,11 +122,8 @@ def wait_for_our_copy(received: list[int]) -> None:
         time.sleep(0.02)
 
 
-def stop_before_start(spec: Spec, env: DistEnv) -> int:
-    """A stop signal came while the rank was starting: nothing ran, so nothing is lost by leaving."""
-    reason = stop_reason(spec, env)
-    if env.is_main:
-        print(f"hpcgpu: {describe_stop(reason)}: the stop signal came before the program started; "
-              "not starting it", flush=True)
-    requeue(env, spec, reason)
-    return EXIT_STOPPED
+def stop_before_start(spec: Spec, env: DistEnv, run_dir: Path) -> int:
+    """A stop signal came while the rank was starting: nothing ran, so nothing is lost by leaving (and
+    nothing failed: no torn-down check)."""
+    note = StopNote({}, "the stop signal came before the program started; not starting it")
+    return stop_job(spec, env, run_dir, None, note, say=rank0_prints(env))

@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hpcgpu.contract import ENV_GPU_MEMORY, ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
+from hpcgpu.contract import ENV_GPU_MEMORY, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
                                  infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room)
@@ -58,8 +57,10 @@ from hpcgpu.infer_rows import Row, read_rows
 from hpcgpu.runtime import infer_outputs as outputs
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
-from hpcgpu.runtime.dist import coordination_barrier, coordination_group
+from hpcgpu.runtime.dist import agreed_min, coordination_barrier, coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
+from hpcgpu.runtime.requeue import mark_finished
+from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.model import load_for_inference, model_config, not_in_cache, placement
 from hpcgpu.runtime.plan import (DTYPE_OF_PRECISION, RunPlan, check_recorded, gpu_memory_reading, infer_precision,
@@ -289,8 +290,9 @@ class BatchResult:
     completion_tokens: int
 
 
-class Engine:
-    """The model, the tokenizer and the generation settings of one replica."""
+class BatchRunner:
+    """Runs one batch of rows (generate or score) on one replica: the model, the tokenizer and the
+    generation settings."""
 
     def __init__(self, spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
                  device: torch.device):
@@ -418,8 +420,6 @@ def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str
     if inf.batch_size == "auto":
         budget = memory_budget(model, ctx.device, cap.gpu)
         if budget is not None:  # the same on every rank: the device kind and the environment are
-            from hpcgpu.runtime.dist import agreed_min
-
             budget = agreed_min(budget, ctx.device)  # the smallest card decides
             per_row = row_bytes(config, inf.mode, max_tokens, precision)
     plan = plan_infer(spec, ctx.world_size, device_type=ctx.device.type, precision=precision, rows=len(ids),
@@ -486,21 +486,7 @@ class WorkQueue:
                 [self._add(f"peak/{r}", 0) for r in range(self.replicas)])
 
 
-def inject_signal(ctx: Context, iteration: int, fresh: bool) -> None:
-    """Drill for tests: HPCGPU_SIGNAL_AT="N[:RANK]" makes that rank send itself the spec's stop signal
-    after its N-th batch (loop iteration) of the run's first start, as `scancel --signal` would; a
-    start that found rows already written ignores it (the resumed job goes on)."""
-    spec_at = os.environ.get(ENV_SIGNAL_AT)
-    if not spec_at or not fresh or ctx.spec is None:
-        return
-    at, _, rank = spec_at.partition(":")
-    if iteration == int(at) and (not rank or int(rank) == ctx.rank):
-        from hpcgpu.spec.derive import signal_name
-
-        os.kill(os.getpid(), getattr(signal, f"SIG{signal_name(ctx.spec)}"))
-
-
-class Progress:
+class InferProgress:
     """Rank 0's progress line (done/total, rows/s, tokens/s, ETA) and the metrics "infer" records."""
 
     def __init__(self, ctx: Context, metrics: MetricsWriter, total: int, done: int):
@@ -544,19 +530,9 @@ def fmt_eta(seconds: float | None) -> str:
 
 
 def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int, how: str) -> int:
-    """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
-    ending the step after another rank failed, which is that crash and is not requeued (as train)."""
-    from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
-
-    why = torn_down_by(spec, ctx.env, ctx.stop_flag.signum, ctx.run_dir)
-    if why is not None:
-        raise TornDown(why, 128 + signal.SIGTERM)
-    reason = stop_reason(spec, ctx.env)
-    metrics.write("stop", rows=rows_done, reason=reason, restart_count=ctx.env.restart_count)
-    log.info(f"{describe_stop(reason)}: stopped with {rows_done} rows written {how}")
-    metrics.close_trackers()  # before the requeue's SIGTERM reaches W&B's helper process
-    requeue(ctx.env, spec, reason)
-    return EXIT_STOPPED
+    """After an agreed stop: the one stop (runtime/stop.py), with the rows written."""
+    note = StopNote({"rows": rows_done}, f"stopped with {rows_done} rows written {how}")
+    return stop_job(spec, ctx.env, ctx.run_dir, ctx.stop_flag.signum, note, metrics)
 
 
 @dataclass
@@ -599,9 +575,9 @@ def describe_times(times: dict[str, list[float]]) -> str:
             f"s), writing {span('write_s')} s, waiting for the others {span('wait_s')} s")
 
 
-def infer_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[list[int]],
+def infer_loop(ctx: Context, paths: RunPaths, engine: BatchRunner, batches: list[list[int]],
                metrics: MetricsWriter, rows: Sequence[Row],
-               times: ReplicaTimes | None = None) -> tuple[str, Progress]:
+               times: ReplicaTimes | None = None) -> tuple[str, InferProgress]:
     """This replica's share of the batches, taken from the queue until it is empty or a stop is
     raised; returns ('finished' | 'stopped', progress). Collective: a barrier before the first batch
     and one after the last. `times` gets where this replica's loop time went."""
@@ -610,20 +586,11 @@ def infer_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[list
         return _replica_loop(ctx, paths, engine, batches, metrics, rows, times)
 
 
-def _replica_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[list[int]],
-                  metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, Progress]:
-    # every replica reads every replica file (after rank 0's repair and a barrier)
-    done = outputs.done_rows(paths, rows)
-    # the longest batches first: an out-of-memory shows at once, a static KV cache sized by the
-    # first batch serves every later one, and the short batches at the end even out the replicas
-    todo = [(b, batch) for b, batch in reversed(list(enumerate(batches))) if any(i not in done for i in batch)]
-    written = len(done)
-    fresh = written == 0
-    coordination_barrier(ctx.device)  # no replica writes before every one has read: the same queue on each
-    if written and ctx.is_main:
-        metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
-        log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
-    progress = Progress(ctx, metrics, len(rows), written)
+def _replica_loop(ctx: Context, paths: RunPaths, engine: BatchRunner, batches: list[list[int]],
+                  metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, InferProgress]:
+    done, todo = rows_to_do(ctx, paths, batches, metrics, rows)
+    fresh = not done
+    progress = InferProgress(ctx, metrics, len(rows), len(done))
     queue = WorkQueue.for_job(len(todo), ctx.world_size, ctx.rank)
     ran = 0
     with outputs.ReplicaWriter(paths.replica_outputs(ctx.rank)) as writer:
@@ -647,7 +614,7 @@ def _replica_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[l
             with times.timing("write_s"):
                 writer.write(new)
             queue.record(len(new), result.prompt_tokens, result.completion_tokens, peak_memory(ctx.device))
-            inject_signal(ctx, ran, fresh)
+            inject_signal(ctx.spec, ctx.rank, ran, armed=fresh)  # a resumed start goes on
             if ctx.is_main:
                 progress.update(queue.totals())
                 progress.maybe_log(ran == 1, False)
@@ -657,6 +624,22 @@ def _replica_loop(ctx: Context, paths: RunPaths, engine: Engine, batches: list[l
     progress.maybe_log(False, True)
     # every batch taken ran to its end: a signal during the last ones stops nothing
     return ("finished" if queue.taken() == len(todo) else "stopped"), progress
+
+
+def rows_to_do(ctx: Context, paths: RunPaths, batches: list[list[int]], metrics: MetricsWriter,
+               rows: Sequence[Row]) -> tuple[set[int], list[tuple[int, list[int]]]]:
+    """The rows written before and the batches (number, rows) still to run. Collective: a barrier."""
+    # every replica reads every replica file (after rank 0's repair and a barrier)
+    done = outputs.done_rows(paths, rows)
+    # the longest batches first: an out-of-memory shows at once, a static KV cache sized by the
+    # first batch serves every later one, and the short batches at the end even out the replicas
+    todo = [(b, batch) for b, batch in reversed(list(enumerate(batches))) if any(i not in done for i in batch)]
+    written = len(done)
+    coordination_barrier(ctx.device)  # no replica writes before every one has read: the same queue on each
+    if written and ctx.is_main:
+        metrics.write("resume", rows=written, rows_total=len(rows), restart_count=ctx.env.restart_count)
+        log.info(f"resuming: {written} of {len(rows)} rows already written; {len(rows) - written} to go")
+    return done, todo
 
 
 def peak_memory(device: torch.device) -> int:
@@ -682,8 +665,6 @@ def run_infer(spec: Spec, paths: RunPaths) -> int:
 
 
 def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> int:
-    from hpcgpu.runtime.requeue import mark_finished
-
     inf = spec.infer
     source = str(inf.input)
     model_ref = spec.model.name_or_path or "model.config"
@@ -698,15 +679,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     precision = plan.precision if plan is not None else infer_precision(
         spec.model.dtype, ctx.device.type, ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     check_replica_fits(spec, config, precision, ctx.device, cap)
-    t0 = time.perf_counter()
-    model = load_for_inference(spec, ctx.device, TORCH_DTYPES[precision], cap)
-    n_params = sum(p.numel() for p in model.parameters())
-    where = f"{spec.gpus_per_task} GPUs" if ctx.device.type == "cuda" and spec.gpus_per_task > 1 else f"{ctx.device}"
-    quant = f" ({spec.model.quantization} weights)" if spec.model.quantization != "none" else ""
-    log.info(f"model {model_ref}: {n_params / 1e6:.2f}M params, {precision}{quant}, on {where} x {ctx.world_size} "
-             f"replica(s), loaded in {time.perf_counter() - t0:.1f}s; {len(rows)} rows from {source}")
-    for line in placement(model):
-        log.info(f"placement: {line}")
+    model = load_model(ctx, spec, precision, cap, f"{len(rows)} rows from {source}")
     if plan is None:
         plan = fresh_plan(ctx, spec, model, config, precision, ids, digest, cap)
     ctx.plan = plan
@@ -717,7 +690,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     if ctx.is_main:
         outputs.repair_all(paths)
     ctx.barrier()  # no replica reads the replica files before they are whole
-    engine = Engine(spec, model, codec, ids, rows, ctx.device)
+    engine = BatchRunner(spec, model, codec, ids, rows, ctx.device)
     tracking = metrics.tracking
     if tracking is not None:
         tracking.start()  # plan.json is written; opened before the clock of rows/s starts
@@ -728,13 +701,34 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
         outcome, progress = infer_loop(ctx, paths, engine, batches, metrics, rows, times)
     if outcome == "stopped":
         return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")
-    replica_times = times.every_replica(ctx)  # collective: also every replica's rows are on disk
-    if ctx.is_main:
-        log.info(describe_times(replica_times))
-        out = outputs.merge(paths, rows)
-        mark_finished(ctx.run_dir, ctx.env)
-        elapsed = time.perf_counter() - progress.t0
-        metrics.write("end", rows=len(rows), rows_this_start=progress.done - progress.start_done,
-                      tokens=progress.completion_tokens, elapsed_s=elapsed, **replica_times)
-        log.info(f"wrote {out} ({len(rows)} rows)")
+    finish(ctx, paths, rows, metrics, progress, times.every_replica(ctx))  # collective: every replica's rows are on disk
     return 0
+
+
+def load_model(ctx: Context, spec: Spec, precision: str, cap: MaxMemory, what: str) -> Any:
+    """The replica's model, loaded and described (size, dtype, where, how long; each GPU's layers)."""
+    model_ref = spec.model.name_or_path or "model.config"
+    t0 = time.perf_counter()
+    model = load_for_inference(spec, ctx.device, TORCH_DTYPES[precision], cap)
+    n_params = sum(p.numel() for p in model.parameters())
+    where = f"{spec.gpus_per_task} GPUs" if ctx.device.type == "cuda" and spec.gpus_per_task > 1 else f"{ctx.device}"
+    quant = f" ({spec.model.quantization} weights)" if spec.model.quantization != "none" else ""
+    log.info(f"model {model_ref}: {n_params / 1e6:.2f}M params, {precision}{quant}, on {where} x {ctx.world_size} "
+             f"replica(s), loaded in {time.perf_counter() - t0:.1f}s; {what}")
+    for line in placement(model):
+        log.info(f"placement: {line}")
+    return model
+
+
+def finish(ctx: Context, paths: RunPaths, rows: Sequence[Row], metrics: MetricsWriter, progress: InferProgress,
+           replica_times: dict[str, list[float]]) -> None:
+    """Rank 0 merges the replica files into the output, marks the run finished and writes "end"."""
+    if not ctx.is_main:
+        return
+    log.info(describe_times(replica_times))
+    out = outputs.merge(paths, rows)
+    mark_finished(ctx.run_dir, ctx.env)
+    elapsed = time.perf_counter() - progress.t0
+    metrics.write("end", rows=len(rows), rows_this_start=progress.done - progress.start_done,
+                  tokens=progress.completion_tokens, elapsed_s=elapsed, **replica_times)
+    log.info(f"wrote {out} ({len(rows)} rows)")

@@ -28,7 +28,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,36 +36,36 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hpcgpu.contract import ENV_SIGNAL_AT, EXIT_STOPPED, RunPaths, is_finished
+from hpcgpu.contract import RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu import estimate as memory_estimate
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.collector import StepCollector
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
     Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, causal_lm_loss_sum, eval_batches, load_blocks,
     load_tokenizer)
+from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun
 from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
+from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu
+from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.model import build_model
 from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
+from hpcgpu.runtime.requeue import mark_finished
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
 from hpcgpu.runtime.steplog import StepLog
-from hpcgpu.runtime.strategy import ddp_options, describe_ddp
+from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
+from hpcgpu.runtime.strategy import describe_ddp
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
 
 ENV_OOM_AT_MICRO = "HPCGPU_OOM_AT_MICRO"  # drill: a training forward of more sequences runs out of memory
-
-
-# ---------------------------------------------------------------- the run plan's dtypes
-
-AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
 # ---------------------------------------------------------------- data on the device
@@ -222,99 +221,95 @@ def load_train_data(spec: Spec) -> TrainData:
     return TrainData(tokenizer, train, evals)
 
 
+def seed_rank(seed: int, rank: int) -> None:
+    """Dropout (and any other draw of the step) differs by rank, reproducibly."""
+    torch.manual_seed(seed + 1 + rank)
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+
+
 class Trainer:
-    """Owns model, optimizer, scheduler, data position, step, RNG and early stopping; Stateful for
-    checkpoints."""
+    """The train task on the one engine (runtime/engine.py: the wrap, precision, optimizer step and
+    checkpoint state, as ctx.prepare has them): what only this loop does (the model built from the
+    spec, fused and compiled loss, no_sync accumulation, the first step's out-of-memory guard), the data
+    schedule, step, tokens and early stopping; Stateful for checkpoints."""
 
     def __init__(self, ctx: Context, spec: Spec, plan: RunPlan, data: TrainData):
         self.ctx, self.spec, self.plan = ctx, spec, plan
-        t = spec.train
         p = self.tp = plan.training
         self.world = plan.world_size
         self.device = ctx.device
         self.strategy = p.strategy
         self.max_steps = p.max_steps
         self.micro, self.accum = p.micro_batch, p.accum
-        self.amp_dtype = AMP_DTYPES[plan.precision]
         self.tokenizer, self.train_blocks, self.eval_blocks = data.tokenizer, data.train, data.eval
         self.schedule = self._schedule()
-        self.ds = self._deepspeed_run()
-        zero3 = self.ds is not None and self.ds.zero3
-        on_gpu = self.device if self.device.type == "cuda" and not zero3 else None  # ZeRO-3 places it
-        self.raw_model: Any = build_model(spec, t.seed, on_gpu)
-        if self.ds is None:
-            self.raw_model = self.raw_model.to(self.device)
-        if p.gradient_checkpointing:
-            enable_gradient_checkpointing(self.raw_model)
-        self._add_oom_drill()
-        self._check_vocab()
+        self.ds = DeepSpeedRun.for_plan(spec, plan) if self.strategy == "deepspeed" else None
+        if self.ds is not None:
+            self.ds.before_model()  # ZeRO-3 partitions the model as it is built
+        self.raw_model: Any = self._build_model()
         self.train_blocks = place_tokens(self.train_blocks, self.device)
         self.n_params = count_params(self.raw_model)
         self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len, self.n_params)
-        self.params = list(self.raw_model.parameters())  # once: parameters() walks every module
-        self.optimizer = build_optimizer(self.raw_model, spec, self.device, offload=self._offloads())
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec, self.max_steps))
-        self.scaler = torch.amp.GradScaler(enabled=self.amp_dtype == torch.float16 and self.ds is None)
-        self.cuda_graphs = p.compile and t.compile_mode in ("reduce-overhead", "max-autotune")
+        self.engine = self._build_engine()
+        self.optimizer, self.scheduler = self.engine.optimizer, self.engine.scheduler
+        self.cuda_graphs = p.compile and spec.train.compile_mode in ("reduce-overhead", "max-autotune")
         self.logits_loss = logits_loss(p.compile)
         self.aux_loss_coef = float(getattr(self.raw_model.config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.ddp_options = ddp_options(spec, own_loop=True, compiled=p.compile)
-        self.model: Any = self._wrap(self.raw_model)
-        self.step = 0
+        self.model: Any = self.engine.wrap(None if self.ds is not None else self._loss_model())
+        self.step = self.start_step = self.tokens_seen = 0
         self.last_lr = spec.train.lr
-        self.start_step = 0
-        self.tokens_seen = 0
-        self.early = t.early_stopping
+        self.early = spec.train.early_stopping
         self.best_eval: float | None = None  # early stopping: the best eval loss so far, its step, and
         self.best_step: int | None = None  # how many evals since then did not improve on it
         self.evals_without_improvement = 0
         # the first step of this start is guarded against running out of memory (module docstring)
         self.guard_next_step = self.ds is None and not (self.strategy == "ddp" and spec.distributed.ddp.static_graph)
         self.on_new_plan: Callable[[RunPlan], None] | None = None  # records a plan changed in the job
-        torch.manual_seed(t.seed + 1 + ctx.rank)  # dropout differs by rank, reproducibly
-        random.seed(t.seed + ctx.rank)
-        np.random.seed((t.seed + ctx.rank) % 2**32)
+        seed_rank(spec.train.seed, ctx.rank)
 
     def _schedule(self) -> BatchSchedule:
         p = self.tp
         return BatchSchedule(len(self.train_blocks), self.spec.train.seed, self.ctx.rank,
                              global_batch=p.global_batch, per_rank=p.batch_per_rank, micro=p.micro_batch)
 
-    def _deepspeed_run(self) -> Any:
-        if self.strategy != "deepspeed":
-            return None
-        from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun, generated_config, merged_config
+    def _build_model(self) -> Any:
+        """The model on this rank's device (ZeRO-3 places it itself), checkpointed and drilled as asked."""
+        zero3 = self.ds is not None and self.ds.zero3
+        on_gpu = self.device if self.device.type == "cuda" and not zero3 else None
+        model = build_model(self.spec, self.spec.train.seed, on_gpu)
+        if self.ds is None:
+            model = model.to(self.device)
+        if self.tp.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self._add_oom_drill(model)
+        self._check_vocab(model)
+        return model
 
-        config = merged_config(self.spec, generated_config(self.spec, self.plan))
-        run = DeepSpeedRun(config)
-        run.before_model()
-        return run
+    def _build_engine(self) -> Engine:
+        offload = self.ds is not None and self.tp.offload_optimizer
+        optimizer = build_optimizer(self.raw_model, self.spec, self.device, offload=offload)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.spec, self.max_steps))
+        return Engine(self.spec, self.plan, self.device, self.raw_model, optimizer, scheduler, ds=self.ds,
+                      own_loop=True)
 
-    def _offloads(self) -> bool:
-        return self.ds is not None and self.tp.offload_optimizer
-
-    def _add_oom_drill(self) -> None:
-        limit = os.environ.get(ENV_OOM_AT_MICRO, "")
-        if limit.isdigit():
-            self.raw_model.register_forward_pre_hook(oom_drill(int(limit)), with_kwargs=True)
-
-    def _wrap(self, model: torch.nn.Module) -> Any:
-        """DeepSpeed engine, or (compiled) DDP; the raw model stays reachable for saving."""
-        if self.ds is not None:
-            return self.ds.initialize(model, self.optimizer, self.scheduler)
+    def _loss_model(self) -> torch.nn.Module:
+        """What DDP wraps: the model, with the fused loss around it where asked, compiled where planned."""
+        model: torch.nn.Module = self.raw_model
         if self.tp.fused_loss:
-            from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
-
             model = FusedLossLM(model, liger_sum_loss())
         if self.tp.compile:
             model = torch.compile(model, mode=self.spec.train.compile_mode)  # type: ignore[assignment]
-        if self.strategy == "ddp":
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DDP(model, device_ids=ids, **self.ddp_options)
         return model
 
-    def _check_vocab(self) -> None:
-        vocab = getattr(self.raw_model.config, "vocab_size", None)
+    @staticmethod
+    def _add_oom_drill(model: torch.nn.Module) -> None:
+        limit = os.environ.get(ENV_OOM_AT_MICRO, "")
+        if limit.isdigit():
+            model.register_forward_pre_hook(oom_drill(int(limit)), with_kwargs=True)
+
+    def _check_vocab(self, model: Any) -> None:
+        vocab = getattr(model.config, "vocab_size", None)
         # the largest id the prepared data holds, from its manifest: the tokens are not scanned
         tops = [b.max_token_id for b in (self.train_blocks, self.eval_blocks) if b is not None]
         top = max((t for t in tops if t is not None), default=-1)
@@ -336,7 +331,7 @@ class Trainer:
     # -- Stateful
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.schedule.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                **self.engine.rank_state(),  # scheduler, scaler
                 "early_stopping": {"best_eval": self.best_eval, "best_step": self.best_step,
                                    "evals_without_improvement": self.evals_without_improvement}}
 
@@ -344,8 +339,7 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.schedule.load_state_dict(state["data"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        self.engine.load_rank_state(state)
         early = state.get("early_stopping") or {}  # absent from checkpoints of an older hpcgpu
         self.best_eval, self.best_step = early.get("best_eval"), early.get("best_step")
         self.evals_without_improvement = int(early.get("evals_without_improvement", 0))
@@ -365,14 +359,9 @@ class Trainer:
         return self.early is not None and self.evals_without_improvement >= self.early.patience
 
     # -- one optimizer step
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None or self.ds is not None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
-
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
         ids, labels, mask = batch_fields(fetch_batch(self.train_blocks, idx, self.device))
-        with self._autocast():
+        with self.engine.autocast():
             if self.tp.fused_loss:  # the wrapper returns the loss itself (runtime/fused_loss.py)
                 return self.model(ids, labels, mask)
             out = self.model(input_ids=ids, attention_mask=mask)
@@ -412,20 +401,11 @@ class Trainer:
             sync = contextlib.nullcontext() if i == n - 1 or self.strategy != "ddp" else self.model.no_sync()
             with sync:
                 loss = self._loss_share(idx, n)
-                self.scaler.scale(loss).backward()
+                self.engine.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-        self._optimizer_step()
+        self.engine.optimizer_step()
         assert total is not None  # a step has at least one micro batch
         return total
-
-    def _optimizer_step(self) -> None:
-        if self.spec.train.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.params, self.spec.train.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
 
     def _guarded_step(self, rows: torch.Tensor) -> torch.Tensor:
         """The first step of a start: forward and backward without communication, an agreed
@@ -460,7 +440,7 @@ class Trainer:
             with hold:
                 for idx in micro_batches:
                     loss = self._loss_share(idx, len(micro_batches))
-                    self.scaler.scale(loss).backward()
+                    self.engine.backward(loss)
                     total += loss.detach()
         except torch.cuda.OutOfMemoryError as exc:
             log.warning(f"rank {self.ctx.rank}: out of memory at micro batch {self.micro} in the first step: "
@@ -499,7 +479,7 @@ class Trainer:
         the world size, then summed over the ranks."""
         if self.strategy != "ddp":
             return
-        for param in self.params:
+        for param in self.engine.params:
             if param.grad is not None:
                 param.grad.div_(self.world)
                 dist.all_reduce(param.grad)
@@ -507,7 +487,7 @@ class Trainer:
     def _optimizer_step_or_oom(self) -> bool:
         """The first optimizer step creates the optimizer states: False where they do not fit."""
         try:
-            self._optimizer_step()
+            self.engine.optimizer_step()
         except torch.cuda.OutOfMemoryError:
             return False
         return True
@@ -526,8 +506,8 @@ class Trainer:
         try:
             for idx in micro_batches:
                 loss = self._micro_loss(idx)
-                self.model.backward(loss)  # scaled by 1/accumulation inside the engine
-                self.model.step()
+                self.engine.backward(loss)
+                self.engine.optimizer_step()  # DeepSpeed steps at its accumulation boundary
                 total += loss.detach().float() / len(micro_batches)
         except torch.cuda.OutOfMemoryError:
             if self.step != self.start_step:
@@ -559,7 +539,7 @@ class Trainer:
         sequences = self.spec.train.eval_batches * self.tp.global_batch
         for batch in eval_batches(self.eval_blocks, self.micro, sequences, self.ctx.rank, self.world):
             ids, labels, mask = batch_fields(batch_to(batch, self.device))
-            with self._autocast():  # the step's forward, uncompiled as the raw model is
+            with self.engine.autocast():  # the step's forward, uncompiled as the raw model is
                 out = self.raw_model(input_ids=ids, attention_mask=mask)
                 total, count = causal_lm_loss_sum(out.logits, labels)
             sums += torch.stack([total.double(), count.double()])
@@ -571,84 +551,38 @@ class Trainer:
 
 def estimate_text(spec: Spec, plan: RunPlan) -> str:
     """What `hpcgpu estimate` says of this plan's strategy and micro batch, for the out-of-memory errors."""
-    from hpcgpu.gpu.estimate import count_params as counted, dims_from_config, estimate, fmt_bytes, \
-        max_micro_batch, plan_strategy, usable_bytes
-
+    m = memory_estimate
     t = plan.training
-    n_params, config = counted(spec)
-    d = dims_from_config(config, t.seq_len, n_params, t.compile, t.fused_loss)
-    st = plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing)
-    e = estimate(d, st, t.micro_batch, plan.world_size)
-    text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {fmt_bytes(e.total)} per GPU "
-            f"(activations {fmt_bytes(e.activations)})")
+    n_params, config = m.count_params(spec)
+    d = m.dims_from_config(config, t.seq_len, n_params, t.compile, t.fused_loss)
+    st = m.plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing)
+    e = m.estimate(d, st, t.micro_batch, plan.world_size)
+    text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {m.fmt_bytes(e.total)} per GPU "
+            f"(activations {m.fmt_bytes(e.activations)})")
     if plan.gpu_memory:
-        top = max_micro_batch(d, st, plan.world_size, plan.gpu_memory)
-        text += f" of {fmt_bytes(usable_bytes(plan.gpu_memory))} usable, the largest micro batch that fits {top}"
+        top = m.max_micro_batch(d, st, plan.world_size, plan.gpu_memory)
+        text += f" of {m.fmt_bytes(m.usable_bytes(plan.gpu_memory))} usable, the largest micro batch that fits {top}"
     return text
 
 
 # ---------------------------------------------------------------- checkpoints
 
-def checkpoint_tensors(tr: Trainer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(tr.raw_model, tr.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def checkpoint_payload(tr: Trainer) -> Any:
-    if tr.ds is not None:
-        from hpcgpu.runtime.deepspeed_strategy import DeepSpeedPayload
-
-        return DeepSpeedPayload(tr.model)
-    return checkpoint_tensors(tr)
-
-
 def save_checkpoint(ctx: Context, tr: Trainer, blocking: bool | None = None) -> None:
-    rank_state = {"trainer": tr.state_dict(), "rng": rng_state(tr.device)}
-    ctx.checkpoint.save(tr.step, checkpoint_payload(tr), rank_state,
-                        {"tokens": tr.tokens_seen, "restart_count": ctx.env.restart_count}, blocking=blocking)
+    tr.engine.save(ctx.checkpoint, tr.step, {"trainer": tr.state_dict()},
+                   {"tokens": tr.tokens_seen, "restart_count": ctx.env.restart_count}, blocking=blocking)
 
 
 def resume(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> bool:
     """Load the newest complete checkpoint, if any. Collective."""
-    from hpcgpu.runtime.checkpoint import complete_checkpoints
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    if not complete_checkpoints(ctx.checkpoint.root):
-        return False
-    payload = checkpoint_payload(tr)
-    loaded = ctx.checkpoint.load_latest(payload)
+    loaded = tr.engine.resume(ctx.checkpoint, ctx.rank)
     if loaded is None:
-        if tr.ds is None:
-            tr.optimizer.state.clear()  # get_state_dict primed it with a zero-lr step; start clean
         return False
     path, rank_state = loaded
-    if tr.ds is None:
-        set_state_dict(tr.raw_model, tr.optimizer, model_state_dict=payload["model"],
-                       optim_state_dict=payload["optim"])
     tr.load_state_dict(rank_state["trainer"])
-    if rank_state.get("rng") and Path(path, f"rank-{ctx.rank}.pt").exists():
-        set_rng_state(rank_state["rng"], tr.device)
     ctx.checkpoint.last_saved_step = tr.step
     metrics.write("resume", step=tr.step, checkpoint=path.name, restart_count=ctx.env.restart_count)
     log.info(f"resuming at step {tr.step} ({tr.tokens_seen:,} tokens seen) from {path.name}")
     return True
-
-
-def inject_signal(ctx: Context, tr: Trainer) -> None:
-    """Fault injection for tests and drills: HPCGPU_SIGNAL_AT="STEP[:RANK]" makes that rank send itself
-    the spec's preemption signal when it reaches STEP, exactly as `scancel --signal` would; the ranks
-    agree on it a step later (LaggedFlags), so the run stops after step STEP+1."""
-    spec_at = os.environ.get(ENV_SIGNAL_AT)
-    if not spec_at or ctx.spec is None:
-        return
-    at, _, rank = spec_at.partition(":")
-    # never at the step a run resumed from: the resumed run must go on, not stop again
-    if tr.step == int(at) and tr.step != tr.start_step and (not rank or int(rank) == ctx.rank):
-        from hpcgpu.spec.derive import signal_name
-
-        os.kill(os.getpid(), getattr(signal, f"SIG{signal_name(ctx.spec)}"))
 
 
 # ---------------------------------------------------------------- the loop
@@ -669,82 +603,116 @@ def describe(tr: Trainer) -> str:
             f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences; {steps}"
             + ("; gradient checkpointing" if p.gradient_checkpointing else "")
             + ("; fused loss (Liger)" if p.fused_loss else "")
-            + (f"; DDP {describe_ddp(tr.ddp_options)}" if tr.strategy == "ddp" else ""))
+            + (f"; DDP {describe_ddp(tr.engine.ddp_options)}" if tr.engine.ddp_options is not None else ""))
 
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: StartupClock | None = None) -> str:
     """Run until the plan's max_steps, an agreed stop or early stopping; returns 'finished', 'stopped'
     or 'early_stopped' (a finish too). `clock`: the start-up phases, recorded once the first step is done."""
-    t = tr.spec.train
-    ckpt = ctx.checkpoint
-    bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
-    steplog = StepLog(tr, metrics, bar)
-    # every rank's flags, agreed on a gloo group in host memory and one step late: nothing here waits
-    # for the GPU or for another rank, so the launch queue stays full. At 2 GPUs the loop is nearly
-    # host-bound, so any wait would leave the GPU idle until the host got ahead again: a logged step's
-    # loss is averaged and copied to the host asynchronously, and written by a later step's poll()
-    # once the GPU got there (StepLog); only step 1, the last step, eval and checkpoints wait
-    agreement = LaggedFlags(3, coordination_group(ctx.device))
-    profiler = StepProfiler(t.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device, first_step=tr.step,
-                            max_steps=tr.max_steps)
-    collector = StepCollector(t.gc_every)
-    collector.start()
+    loop = StepLoop.open(ctx, tr, metrics, clock)
     crashed = False
     try:
         while tr.step < tr.max_steps:
-            loss_t = tr.train_step()
-            collector.after_step(tr.step)
-            if clock is not None:
-                clock.first_step_done(ctx.device, metrics, tr.step)
-            profiler.after_step(tr.step)
-            inject_signal(ctx, tr)
-            agreed = agreement.exchange([ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()],
-                                        tr.step)
-            stop, time_due, async_busy = agreed.flags
-            time_due = time_due and posted_after(agreed, ckpt.last_saved_step)  # else that save reset it
-            last = tr.step == tr.max_steps
-            if tr.step % t.log_every == 0 or tr.step == 1 or last:
-                steplog.log(loss_t)
-            else:
-                steplog.poll()  # the logged steps the GPU has finished since
-            if bar is not None:
-                bar.update(1)
-            if ckpt.pending and not async_busy and posted_after(agreed, ckpt.pending_step):
-                with steplog.not_step_time():
-                    ckpt.finish_pending()  # every rank's async write ended: mark it complete now
-            eval_due = bool(t.eval_every) and tr.step % t.eval_every == 0 and not last
-            # with early stopping a stop does not skip a due eval: it counts, and the resumed run
-            # must judge the evals the uninterrupted one would
-            if eval_due and (not stop or tr.early is not None):
-                with steplog.not_step_time():
-                    _eval(ctx, tr, metrics)
-                if tr.patience_spent:  # every rank judged the same all-reduced loss: no vote needed
-                    ckpt.finish_pending()
-                    early_stop(tr, metrics)
-                    return "early_stopped"
-            if stop:
-                steplog.flush()  # before the save: a kill in it must not lose the logged steps
-                save_checkpoint(ctx, tr, blocking=True)
-                return "stopped"
-            if (ckpt.due_by_steps(tr.step) or time_due) and not last:
-                with steplog.not_step_time():
-                    save_checkpoint(ctx, tr)
+            outcome = loop.step()
+            if outcome is not None:
+                return outcome
     except BaseException:
         crashed = True
-        agreement.abandon()
+        loop.agreement.abandon()
         raise
     finally:
-        # every logged step is written at an end or a stop; after an error another rank may be dead and
-        # a pending all-reduce never end: write the complete ones, wait for none
-        steplog.flush(wait=not crashed)
-        collector.close()
-        agreement.drain()
-        profiler.close()
-        if bar is not None:
-            bar.close()
-    ckpt.finish_pending()
+        loop.close(crashed)
+    ctx.checkpoint.finish_pending()
     _eval(ctx, tr, metrics)
     return "finished"
+
+
+@dataclass
+class StepLoop:
+    """What the train loop runs around each step: the step log, the agreed flags, the profiler, the
+    garbage collector's schedule and the progress bar."""
+
+    ctx: Context
+    tr: Trainer
+    metrics: MetricsWriter
+    clock: StartupClock | None
+    bar: Any
+    steplog: StepLog
+    agreement: LaggedFlags
+    profiler: StepProfiler
+    collector: StepCollector
+
+    @classmethod
+    def open(cls, ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: StartupClock | None) -> "StepLoop":
+        bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
+        # every rank's flags, agreed on a gloo group in host memory and one step late: nothing here waits
+        # for the GPU or for another rank, so the launch queue stays full. At 2 GPUs the loop is nearly
+        # host-bound, so any wait would leave the GPU idle until the host got ahead again: a logged step's
+        # loss is averaged and copied to the host asynchronously, and written by a later step's poll()
+        # once the GPU got there (StepLog); only step 1, the last step, eval and checkpoints wait
+        agreement = LaggedFlags(3, coordination_group(ctx.device))
+        profiler = StepProfiler(tr.spec.train.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device,
+                                first_step=tr.step, max_steps=tr.max_steps)
+        collector = StepCollector(tr.spec.train.gc_every)
+        collector.start()
+        return cls(ctx, tr, metrics, clock, bar, StepLog(tr, metrics, bar), agreement, profiler, collector)
+
+    def step(self) -> str | None:
+        """One optimizer step and what follows it; 'stopped' or 'early_stopped' to end the loop."""
+        ctx, tr, t, ckpt = self.ctx, self.tr, self.tr.spec.train, self.ctx.checkpoint
+        loss_t = tr.train_step()
+        self.collector.after_step(tr.step)
+        if self.clock is not None:
+            self.clock.first_step_done(ctx.device, self.metrics, tr.step)
+        self.profiler.after_step(tr.step)
+        inject_signal(ctx.spec, ctx.rank, tr.step, armed=tr.step != tr.start_step)  # not where it resumed
+        agreed = self.agreement.exchange([ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()],
+                                         tr.step)
+        stop, time_due, async_busy = agreed.flags
+        time_due = time_due and posted_after(agreed, ckpt.last_saved_step)  # else that save reset it
+        last = tr.step == tr.max_steps
+        if tr.step % t.log_every == 0 or tr.step == 1 or last:
+            self.steplog.log(loss_t)
+        else:
+            self.steplog.poll()  # the logged steps the GPU has finished since
+        if self.bar is not None:
+            self.bar.update(1)
+        if ckpt.pending and not async_busy and posted_after(agreed, ckpt.pending_step):
+            with self.steplog.not_step_time():
+                ckpt.finish_pending()  # every rank's async write ended: mark it complete now
+        return self.after_step(stop, time_due, last)
+
+    def after_step(self, stop: bool, time_due: bool, last: bool) -> str | None:
+        """The eval, early stopping, the stop and the checkpoint due after this step."""
+        ctx, tr, ckpt, t = self.ctx, self.tr, self.ctx.checkpoint, self.tr.spec.train
+        eval_due = bool(t.eval_every) and tr.step % t.eval_every == 0 and not last
+        # with early stopping a stop does not skip a due eval: it counts, and the resumed run
+        # must judge the evals the uninterrupted one would
+        if eval_due and (not stop or tr.early is not None):
+            with self.steplog.not_step_time():
+                _eval(ctx, tr, self.metrics)
+            if tr.patience_spent:  # every rank judged the same all-reduced loss: no vote needed
+                ckpt.finish_pending()
+                early_stop(tr, self.metrics)
+                return "early_stopped"
+        if stop:
+            self.steplog.flush()  # before the save: a kill in it must not lose the logged steps
+            save_checkpoint(ctx, tr, blocking=True)
+            return "stopped"
+        if (ckpt.due_by_steps(tr.step) or time_due) and not last:
+            with self.steplog.not_step_time():
+                save_checkpoint(ctx, tr)
+        return None
+
+    def close(self, crashed: bool) -> None:
+        # every logged step is written at an end or a stop; after an error another rank may be dead and
+        # a pending all-reduce never end: write the complete ones, wait for none
+        self.steplog.flush(wait=not crashed)
+        self.collector.close()
+        self.agreement.drain()
+        self.profiler.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def posted_after(agreed: Agreed, step: int | None) -> bool:
@@ -765,9 +733,8 @@ def _eval(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> None:
 
 
 def save_best(ctx: Context, tr: Trainer, loss: float) -> None:
-    rank_state = {"trainer": tr.state_dict(), "rng": rng_state(tr.device)}
-    ctx.checkpoint.save_best(checkpoint_payload(tr), rank_state,
-                             {"step": tr.step, "eval_loss": loss, "tokens": tr.tokens_seen})
+    tr.engine.save_best(ctx.checkpoint, {"trainer": tr.state_dict()},
+                        {"step": tr.step, "eval_loss": loss, "tokens": tr.tokens_seen})
     log.info(f"step {tr.step:>6} | best eval loss so far: checkpoints/best/")
 
 
@@ -785,14 +752,11 @@ def restore_best(ctx: Context, tr: Trainer) -> None:
     unless the last eval was the best. Collective."""
     if tr.early is None or tr.best_step is None or tr.best_step == tr.step:
         return
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-    payload = checkpoint_payload(tr)
+    payload = tr.engine.payload()
     if ctx.checkpoint.load_best(payload) is None:
         log.warning("checkpoints/best/ could not be loaded: the final model is the last one, not the best")
         return
-    if tr.ds is None:
-        set_model_state_dict(tr.raw_model, payload["model"])
+    tr.engine.load_model(payload)
     log.info(f"the final model is the best one: step {tr.best_step}, eval loss {tr.best_eval:.4f}")
 
 
@@ -816,15 +780,12 @@ def save_final_model(ctx: Context, tr: Trainer) -> Path:
 
 
 def quiet_libraries(ctx: Context) -> None:
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # seconds to import: once the job has started
 
     if not ctx.is_main:
         hf_logging.set_verbosity_error()  # one copy of library warnings, from rank 0
     hf_logging.disable_progress_bar()
-    if ctx.device.type == "cpu":
-        # CPU ranks are meant: DeepSpeed (imported by transformers when saving, or as the strategy)
-        # would otherwise warn that it "was unable to detect" a GPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed_on_cpu(ctx.device)  # transformers imports DeepSpeed when saving, or it is the strategy
 
 
 def start_plan(ctx: Context, spec: Spec, paths: RunPaths, data: TrainData) -> RunPlan:
@@ -832,7 +793,7 @@ def start_plan(ctx: Context, spec: Spec, paths: RunPaths, data: TrainData) -> Ru
     wrapped; after the data is read: train.epochs counts its sequences) and give a lone rank the
     group DeepSpeed needs, now that the plan chose it. A job of several ranks has had its group since
     init(): the group starts exactly once either way."""
-    plan = settle_plan(ctx, spec, paths, num_sequences=len(data.train))
+    plan = settle_plan(spec, paths, ctx.world_size, ctx.device, num_sequences=len(data.train))
     if plan.training.strategy == "deepspeed" and not ctx.env.distributed:
         init_process_group(ctx.env, spec, ctx.device, alone=True)
     ctx.plan = plan
@@ -865,67 +826,32 @@ def record_plan(ctx: Context, plan: RunPlan, paths: RunPaths) -> None:
 
 
 def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, just_saved: bool) -> int:
-    """After an agreed stop: say why, requeue (rank 0, capped), exit 75 — unless the SIGTERM was srun
-    ending the step after another rank failed, which is that crash and is not requeued."""
-    from hpcgpu.runtime.requeue import TornDown, describe_stop, requeue, stop_reason, torn_down_by
-
-    why = torn_down_by(spec, ctx.env, ctx.stop_flag.signum, ctx.run_dir)
-    if why is not None:
-        raise TornDown(why, 128 + signal.SIGTERM)
-    reason = stop_reason(spec, ctx.env)
-    # saved: the state is a checkpoint's (just written, or resumed from); False only before any
-    metrics.write("stop", step=tr.step, reason=reason, restart_count=ctx.env.restart_count,
-                  saved=just_saved or tr.step > 0)
+    """After an agreed stop: the one stop (runtime/stop.py), with the step and whether it was saved."""
     how = "with a checkpoint" if just_saved else "before the first step; nothing new to save"
-    log.info(f"{describe_stop(reason)}: stopped at step {tr.step} {how}")
-    metrics.close_trackers()  # before the requeue's SIGTERM reaches W&B's helper process
-    requeue(ctx.env, spec, reason)
-    return EXIT_STOPPED
+    # saved: the state is a checkpoint's (just written, or resumed from); False only before any
+    note = StopNote({"step": tr.step}, f"stopped at step {tr.step} {how}", {"saved": just_saved or tr.step > 0})
+    return stop_job(spec, ctx.env, ctx.run_dir, ctx.stop_flag.signum, note, metrics)
 
 
 def run_train(spec: Spec, paths: RunPaths) -> int:
-    from hpcgpu.runtime.requeue import mark_finished
-
     clock = StartupClock()
     clock.mark("interpreter and imports")
     with init(spec, paths, alone_group=False) as ctx:  # a lone rank's group waits for the plan
         if is_finished(ctx.run_dir):
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
-        clock.mark("process group")
-        quiet_libraries(ctx)
-        data = load_train_data(spec)
-        clock.mark("data")
-        plan = start_plan(ctx, spec, paths, data)
-        clock.mark("plan")
+        plan, data = begin(ctx, spec, paths, clock)
         tracking = open_tracking(spec, paths, ctx.is_main)  # rank 0's TensorBoard / W&B, fed by metrics
         metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=tracking)
         tr: Trainer | None = None
         try:
             tr = Trainer(ctx, spec, plan, data)
-            tr.on_new_plan = plan_recorder(ctx, paths, metrics)
-            log.info(describe(tr))
-            clock.mark("model")
-            resume(ctx, tr, metrics)
-            tr.start_step = tr.step
-            record_plan(ctx, plan, paths)
-            clock.mark("resume")
+            start_trainer(ctx, tr, paths, metrics, clock)
             if ctx.should_stop():
                 # the signal came while the job was starting: its state is the checkpoint it resumed
                 # from (or nothing yet), so nothing is lost by leaving now
                 return stop_run(ctx, spec, tr, metrics, just_saved=False)
-            tracking.start(tr.start_step)  # plan.json is written; TensorBoard drops steps after the checkpoint
-            with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
-                            enabled=spec.monitor.enabled and ctx.device.type == "cuda",
-                            on_sample=tracking.gpu_sample if tracking.active else None):
-                outcome = train_loop(ctx, tr, metrics, clock)
-            if outcome == "stopped":
-                return stop_run(ctx, spec, tr, metrics, just_saved=True)
-            restore_best(ctx, tr)
-            save_final_model(ctx, tr)
-            mark_finished(ctx.run_dir, ctx.env)
-            metrics.write("end", step=tr.step, tokens=tr.tokens_seen, max_steps=tr.max_steps,
-                          early_stopped=outcome == "early_stopped", best_step=tr.best_step)
+            return train_to_end(ctx, spec, tr, metrics, tracking, clock)
         finally:
             ctx.checkpoint.close()
             metrics.close()
@@ -936,4 +862,43 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             # which releases the GIL first.
             tr = None
             gc.collect()
+
+
+def begin(ctx: Context, spec: Spec, paths: RunPaths, clock: StartupClock) -> tuple[RunPlan, TrainData]:
+    """The data, then the run plan (train.epochs counts the data's sequences)."""
+    clock.mark("process group")
+    quiet_libraries(ctx)
+    data = load_train_data(spec)
+    clock.mark("data")
+    plan = start_plan(ctx, spec, paths, data)
+    clock.mark("plan")
+    return plan, data
+
+
+def start_trainer(ctx: Context, tr: Trainer, paths: RunPaths, metrics: MetricsWriter, clock: StartupClock) -> None:
+    """Resume from the newest checkpoint, if any, and record the plan before the first step."""
+    tr.on_new_plan = plan_recorder(ctx, paths, metrics)
+    log.info(describe(tr))
+    clock.mark("model")
+    resume(ctx, tr, metrics)
+    tr.start_step = tr.step
+    record_plan(ctx, tr.plan, paths)
+    clock.mark("resume")
+
+
+def train_to_end(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, tracking: Any,
+                 clock: StartupClock) -> int:
+    """The loop, then the stop (75), or the best model restored, saved and the run marked finished (0)."""
+    tracking.start(tr.start_step)  # plan.json is written; TensorBoard drops steps after the checkpoint
+    with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
+                    enabled=spec.monitor.enabled and ctx.device.type == "cuda",
+                    on_sample=tracking.gpu_sample if tracking.active else None):
+        outcome = train_loop(ctx, tr, metrics, clock)
+    if outcome == "stopped":
+        return stop_run(ctx, spec, tr, metrics, just_saved=True)
+    restore_best(ctx, tr)
+    save_final_model(ctx, tr)
+    mark_finished(ctx.run_dir, ctx.env)
+    metrics.write("end", step=tr.step, tokens=tr.tokens_seen, max_steps=tr.max_steps,
+                  early_stopped=outcome == "early_stopped", best_step=tr.best_step)
     return 0
