@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import click
 
 from hpcgpu.cli.options import read_spec, set_option
+from hpcgpu.cli.submit import print_submitted
 from hpcgpu.errors import UsageError
+from hpcgpu.launch import submission
+from hpcgpu.launch.checks import input_problems
+from hpcgpu.launch.registry import Registry
+from hpcgpu.spec.derive import mem_per_node
 
 
 @click.group()
@@ -69,7 +76,7 @@ def prepare(spec_file: Optional[str], overrides: tuple[str, ...], input_path: Op
 
 def prepare_input(input_path: str, tokenizer: Optional[str], output: Optional[str], text_field: str,
                   workers: Optional[int], data_format: str) -> None:
-    from hpcgpu.data import prepare as prepare_data
+    from hpcgpu.data import prepare as prepare_data  # numpy (and a tokenizer) load only to prepare
 
     if not output:
         raise UsageError("--input needs --output DIR (the folder to write the prepared dataset to)")
@@ -80,6 +87,7 @@ def prepare_input(input_path: str, tokenizer: Optional[str], output: Optional[st
 
 def prepare_spec(spec_file: str, overrides: tuple[str, ...], output: Optional[str], text_field: Optional[str],
                  workers: Optional[int]) -> None:
+    # numpy (and a tokenizer) load only to prepare
     from hpcgpu.data import ensure_prepared, load_tokenizer, looks_prepared, open_training_data
     from hpcgpu.data import prepare as prepare_data
 
@@ -106,11 +114,6 @@ def prepare_spec(spec_file: str, overrides: tuple[str, ...], output: Optional[st
 def submit_prepare_job(spec_file: str, overrides: tuple[str, ...], output: Optional[str],
                        text_field: Optional[str], workers: Optional[int]) -> None:
     """`data prepare SPEC` as a job of its own, through the same submission path as `hpcgpu submit`."""
-    from hpcgpu.cli.submit import print_submitted
-    from hpcgpu.launch import submission
-    from hpcgpu.launch.checks import input_problems
-    from hpcgpu.launch.registry import Registry
-
     spec = read_spec(spec_file, overrides)
     if not (spec.data.train or spec.data.eval):
         raise UsageError(f"{spec_file}: no data.train or data.eval to prepare")
@@ -127,11 +130,6 @@ def prepare_job_spec(spec: Any, spec_file: str, overrides: tuple[str, ...], outp
     """A `task: command` spec that runs `hpcgpu data prepare SPEC` on one node with no GPU: one task
     with the cores and memory SPEC asks for on a node; its slurm settings (partition, account, setup
     lines) are SPEC's."""
-    import dataclasses
-    import sys
-
-    from hpcgpu.spec.derive import mem_per_node
-
     r = spec.resources
     cores = r.cpus_per_gpu * r.gpus
     argv = [sys.executable, "-m", "hpcgpu", "data", "prepare", str(Path(spec_file).resolve()),

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import click
 
 from hpcgpu.cli.table import format_table
+from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch.cancel import cancel as cancel_job
 from hpcgpu.launch.joblogs import RANK_LABEL, log_files
@@ -20,6 +21,7 @@ from hpcgpu.launch.progress import last_progress
 from hpcgpu.launch.state import find_job, is_final, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
+from hpcgpu.spec import load_spec
 
 job_argument = click.argument("job_ref", metavar="JOB")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -249,10 +251,8 @@ def one_unit(job: JobRecord, task: TaskRecord | None, command: str) -> JobRecord
 def check_rank(job_ref: str, run_dir: Path, rank: int) -> None:
     """--rank names a rank the job has (its resolved spec says how many), else one line: a rank it
     does not have would print nothing at all (SLURM) or wait for a log that never comes."""
-    from hpcgpu.spec import load_spec
-
     try:
-        ranks = load_spec(str(run_dir / "spec.yaml")).world_size
+        ranks = load_spec(str(RunPaths(run_dir).spec)).world_size
     except (HpcgpuError, OSError):
         return  # no spec to tell: the logs say what they have
     if rank >= ranks:

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import click
 
-from hpcgpu.errors import UsageError
+from hpcgpu.cli.jobs import one_unit
+from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.launch.registry import Registry
+from hpcgpu.launch.state import find_job
+from hpcgpu.report import write_report  # matplotlib loads only when the plot is drawn
 
 
 @click.command()
@@ -24,8 +28,6 @@ def report(run_dir: str, output: str | None, as_json: bool) -> None:
     A task: infer run: rows done, rows/s and tokens/s (generated; scored in mode score) over wall
     time, stops and resumes marked, and the same GPU panels; print rows done/total, mean rows/s and
     tokens/s, peak memory, restarts and whether outputs.jsonl is complete (FINISHED)."""
-    from hpcgpu.report import write_report
-
     run_dir = job_run_dir(run_dir)
     path = plot_path(output)
     try:
@@ -45,11 +47,6 @@ def job_run_dir(ref: str) -> str:
     """RUN_DIR as given, or the run dir of the job (or array task) with that id in the registry."""
     if Path(ref).exists() or Path(ref).is_absolute() or "/" in ref:
         return ref
-    from hpcgpu.cli.jobs import one_unit
-    from hpcgpu.errors import HpcgpuError
-    from hpcgpu.launch.state import find_job
-    from hpcgpu.launch.registry import Registry
-
     try:
         job, task = find_job(Registry(), ref)
     except HpcgpuError:

@@ -40,7 +40,9 @@ from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import urlparse
 
 from hpcgpu.errors import HpcgpuError, SpecError
+from hpcgpu.gpu.estimate import parse_max_memory
 from hpcgpu.gpu.model_types import model_type_problem
+from hpcgpu.infer_rows import read_rows
 from hpcgpu.launch.registry import file_system_type
 from hpcgpu.launch.replicas import quantization_problem
 from hpcgpu.spec import Spec
@@ -182,8 +184,6 @@ def max_memory_problem(spec: Spec) -> str | None:
     """infer.max_memory must be one the job can read (the job's own parser)."""
     if spec.task != "infer" or spec.infer.max_memory == "auto":
         return None
-    from hpcgpu.gpu.estimate import parse_max_memory
-
     try:
         parse_max_memory(spec.infer.max_memory)
     except HpcgpuError as exc:
@@ -197,8 +197,6 @@ def infer_input_problem(spec: Spec) -> str | None:
     model hpcgpu trained without tokenizer files) has none; a hub id's is not looked at here."""
     if spec.task != "infer" or not spec.infer.input:
         return None
-    from hpcgpu.infer_rows import read_rows
-
     try:
         rows = read_rows(spec.infer.input, spec.infer.mode)
     except HpcgpuError as exc:
@@ -255,7 +253,7 @@ def prepared_format_problem(value: str, data_format: str) -> str | None:
     prepared = (manifest.get("data_format") if isinstance(manifest, dict) else None) or "text"
     if prepared == data_format:
         return None
-    from hpcgpu.data import format_mismatch
+    from hpcgpu.data import format_mismatch  # hpcgpu.data imports numpy: only for a prepared folder
 
     return format_mismatch(value, prepared, data_format)
 
@@ -265,7 +263,7 @@ def example_rows_problem(key: str, value: str, data_format: str) -> str | None:
     path = Path(value).expanduser()
     if data_format == "text" or path.is_dir():
         return None
-    from hpcgpu.data.sources import EXAMPLE_SHAPES, example_row
+    from hpcgpu.data.sources import EXAMPLE_SHAPES, example_row  # the hpcgpu.data package imports numpy
 
     if path.suffix != ".jsonl":
         return (f"{key}: data.format {data_format} reads a .jsonl file, one {EXAMPLE_SHAPES[data_format]} "

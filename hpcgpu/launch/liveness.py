@@ -20,8 +20,6 @@ def process_start(pid: int) -> str | None:
 def run_dir_held(job: JobRecord) -> bool:
     """A process of the job (a rank) still holds its run dir lock: the job runs on without its
     launcher, so it has not failed (yet)."""
-    from hpcgpu.launch.runlock import is_locked
-
     return any(is_locked(Path(d)) for d in (job.run_dir, *(t.run_dir for t in job.tasks)))
 
 

@@ -30,6 +30,7 @@ from typing import IO, Callable
 from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED, EXIT_STOPPED,
                              Failure, RunPaths, attempt_id, is_finished, record_failure, write_finished)
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
@@ -53,8 +54,6 @@ def local_gpus(spec: Spec, environ: dict[str, str] | None = None) -> list[str]:
         return spec.resources.devices.split(",")
     if env.get("CUDA_VISIBLE_DEVICES") is not None:
         return [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    from hpcgpu.gpu.source import default_source
-
     source = default_source()
     return [str(r.index) for r in source.read(processes=False)] if source.available() else []
 

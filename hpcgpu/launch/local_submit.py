@@ -23,13 +23,21 @@ from typing import IO, Callable, Mapping
 
 from hpcgpu.contract import EXIT_KILLED, EXIT_STOPPED
 from hpcgpu.errors import HpcgpuError, UsageError
+from hpcgpu.gpu.busy import BusyThresholds, busy_detail, is_busy, select
+from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
-from hpcgpu.launch.local import check_fits_here
+from hpcgpu.launch.failures import explain_failures
+from hpcgpu.launch.liveness import executor_alive, process_start
+from hpcgpu.launch.local import check_fits_here, local_gpus, run_local
+from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.rundir import find_finished_run, find_unfinished_run, make_run_dir, write_atomic
+from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.scheduler import format_duration
+from hpcgpu.launch.state import array_state
 from hpcgpu.launch.sweep import SweepTask, write_sweep
-from hpcgpu.spec import Spec, dump_spec
+from hpcgpu.procs import die_with_parent
+from hpcgpu.spec import Spec, dump_spec, load_spec
 
 Say = Callable[[str], None]
 Started = Callable[[JobRecord], None]
@@ -50,9 +58,6 @@ def check_busy(spec: Spec, ignore_busy: bool = False, say: Say = _stderr,
     """Warn about each GPU the ranks would get that someone else uses (why, its memory, its
     processes); refuse (UsageError, exit 2) when every one of them is busy, unless ignore_busy.
     Busy means above the spec's resources.busy. Nothing to check on the CPU or without NVML."""
-    from hpcgpu.gpu.busy import BusyThresholds, busy_detail, is_busy, select
-    from hpcgpu.gpu.source import default_source
-
     env = os.environ if environ is None else environ
     devices, visible = spec.resources.devices, env.get("CUDA_VISIBLE_DEVICES")
     if not devices and visible is not None and not visible.strip():
@@ -83,9 +88,6 @@ def run_dirs_in_use(registry: Registry) -> Callable[[Path], bool]:
     Locked (any rank of a live job holds <run dir>/.lock, even after its launcher was killed), or
     recorded as run by a live local executor (a job started before run dirs were locked, or one
     `hpcgpu queue` registered whose executor has not taken the lock yet)."""
-    from hpcgpu.launch.liveness import executor_alive
-    from hpcgpu.launch.runlock import is_locked
-
     def in_use(run_dir: Path) -> bool:
         return is_locked(run_dir) or any(j.executor == "local" and j.state == "RUNNING" and executor_alive(j)
                                          for j in registry.with_run_dir(str(run_dir)))
@@ -95,16 +97,12 @@ def run_dirs_in_use(registry: Registry) -> Callable[[Path], bool]:
 
 def local_gpu_count(spec: Spec, environ: Mapping[str, str] | None = None) -> int:
     """GPUs the ranks get (0 on the CPU), for the GPU-hours `status` shows."""
-    from hpcgpu.launch.local import local_gpus
-
     return min(len(local_gpus(spec, None if environ is None else dict(environ))), spec.resources.gpus)
 
 
 def new_record(spec: Spec, spec_ref: str, run_dir: Path, pid: int | None = None,
                environ: Mapping[str, str] | None = None, state: str = "RUNNING") -> JobRecord:
     """A local job's registry row; job_id "" -> the registry assigns local-<n> as it inserts it."""
-    from hpcgpu.launch.liveness import process_start
-
     # the node it runs on, as its failure records name it (status shows `-` only for a job holding none)
     node = socket.gethostname() if state == "RUNNING" else ""
     record = JobRecord("", spec.name, spec_ref, str(run_dir), "local", state=state, pid=pid,
@@ -117,8 +115,6 @@ KILLED_REASON = "killed at a second interrupt; the same command goes on from its
 
 
 def local_state(registry: Registry, record: JobRecord, code: int, run_dir: Path) -> tuple[str, str]:
-    from hpcgpu.launch.progress import stop_summary
-
     cancelled = registry.find(record.job_id)[0].cancel_requested
     if code == 0:
         return "COMPLETED", ""
@@ -141,9 +137,6 @@ def exit_code(record: JobRecord) -> int:
 def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Path,
                  task: TaskRecord | None = None, echo: IO[str] | None = None, say: Say = _stderr) -> int:
     """Run the ranks here and record how they ended (the job's, or one sweep task's, state)."""
-    from hpcgpu.launch.failures import explain_failures
-    from hpcgpu.launch.local import run_local
-
     try:
         code = run_local(spec, run_dir / "spec.yaml", run_dir, task.id if task else record.job_id,
                          echo=sys.stdout if echo is None else echo, say=say)
@@ -162,8 +155,6 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
 
 
 def _sweep_state(record: JobRecord) -> str:
-    from hpcgpu.launch.state import array_state
-
     return array_state([t for t in record.tasks if t.state != "PENDING"] or record.tasks)
 
 
@@ -262,8 +253,6 @@ def register(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool = Fal
 def executor_started(registry: Registry, record: JobRecord, pid: int) -> None:
     """The executor of a registered job runs as `pid`: `hpcgpu cancel` signals it, and the run dir
     counts as in use from now on."""
-    from hpcgpu.launch.liveness import process_start
-
     registry.update(record, pid=pid, pid_start=process_start(pid), state="RUNNING", nodes=socket.gethostname())
 
 
@@ -271,8 +260,6 @@ def run_registered(registry: Registry, job_id: str, say: Say = _stderr) -> int:
     """In the executor of a registered job: lock its run dir, run the ranks, record the end.
     A job that cannot start (its run dir locked by another live job, a spec.yaml gone) is
     recorded FAILED with that line as its reason, and the error raised."""
-    from hpcgpu.spec import load_spec
-
     record, _ = registry.find(job_id)
     run_dir = Path(record.run_dir)
     try:
@@ -289,8 +276,6 @@ def run_registered(registry: Registry, job_id: str, say: Say = _stderr) -> int:
 def main(argv: list[str] | None = None) -> None:
     """`python -m hpcgpu.launch.local_submit JOB_ID`: run a job `hpcgpu queue` registered. Dies
     with the queue (HPCGPU_PARENT_PID); exits with the job's code (2 when it could not start)."""
-    from hpcgpu.procs import die_with_parent
-
     die_with_parent()  # first: a queue killed with SIGKILL takes this job and its ranks along
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:

@@ -32,7 +32,10 @@ from hpcgpu.contract import EXIT_STOPPED, RunPaths
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, usage_text
 from hpcgpu.gpu.readings import GpuReading, GpuSource
+from hpcgpu.launch import local_submit
+from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import Registry
+from hpcgpu.launch.state import is_final, refresh
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 
@@ -99,8 +102,6 @@ class LocalJob:
     thread that runs the queue."""
 
     def __init__(self, entry: QueueEntry, devices: list[str] | None, registry: Registry):
-        from hpcgpu.launch import local_submit
-
         assert entry.spec is not None
         env = dict(os.environ)
         env[PARENT_PID_VAR] = str(os.getpid())  # the job (and its ranks) ends with the queue
@@ -137,8 +138,6 @@ class LocalJob:
     def details(self) -> JobEnd:
         """From the registry: how the executor recorded the job's end (or, had it no chance to, that
         it ended without a word)."""
-        from hpcgpu.launch.state import is_final, refresh
-
         record, _ = self.registry.find(self.record.job_id)
         if not is_final(record.state):
             refresh(self.registry, [record])
@@ -361,8 +360,6 @@ class Queue:
         return again
 
     def _ended_line(self, r: QueueResult, seconds: float, retry: bool) -> str:
-        from hpcgpu.launch.progress import stop_summary
-
         if r.state == "STOPPED":
             how = stop_summary(r.run_dir) if r.run_dir else "stopped at a checkpoint"
         else:

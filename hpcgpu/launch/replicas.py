@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcgpu.errors import HpcgpuError, SpecError
+from hpcgpu.gpu.busy import smallest_gpu
+from hpcgpu.gpu.estimate import (config_weight_bytes, fewest_gpus_per_replica, fmt_bytes, parse_max_memory,
+                                 spec_weights_format)
+from hpcgpu.launch.local import local_gpus
 from hpcgpu.spec import Spec
 
 Say = Callable[[str], None]
@@ -34,9 +38,6 @@ def resolve_gpus_per_replica(spec: Spec, *, local: bool, say: Say | None = None)
 
 
 def decide_gpus_per_replica(spec: Spec, local: bool, say: Say | None) -> int:
-    from hpcgpu.gpu.busy import smallest_gpu
-    from hpcgpu.gpu.estimate import fewest_gpus_per_replica, fmt_bytes, parse_max_memory, spec_weights_format
-
     weights = config_weights(spec)
     cap = parse_max_memory(spec.infer.max_memory)
     total, what = (smallest_gpu(spec.resources.devices, os.environ.get("CUDA_VISIBLE_DEVICES"), spec.resources.gpus)
@@ -75,8 +76,6 @@ def model_config_dict(spec: Spec) -> dict[str, Any] | None:
 
 
 def config_weights(spec: Spec) -> int | None:
-    from hpcgpu.gpu.estimate import config_weight_bytes, spec_weights_format
-
     cfg = model_config_dict(spec)
     if cfg is None:
         return None
@@ -95,8 +94,6 @@ def quantization_problem(spec: Spec, *, local: bool) -> str | None:
         return (f"model.quantization: {q} needs bitsandbytes, which this Python does not have: "
                 "pip install 'hpcgpu[quant]' (Linux with an NVIDIA GPU), or use quantization: none")
     if local:
-        from hpcgpu.launch.local import local_gpus
-
         if not local_gpus(spec):
             return (f"model.quantization: {q} runs on a GPU only (bitsandbytes), and the local executor has none "
                     "here; use quantization: none, or submit to SLURM")
