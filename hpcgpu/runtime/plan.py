@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.estimate import auto_infer_batch, fmt_bytes, infer_batch_limit
+from hpcgpu.gpu.estimate import auto_infer_batch, count_params, fmt_bytes, infer_batch_limit, parse_size
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import batch_split, fixed_max_steps
@@ -268,12 +268,7 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         raise HpcgpuError(f"distributed.ddp.static_graph: true does not work with gradient accumulation "
                           f"(this run accumulates {accum} micro batches); set it to false or give "
                           "train.micro_batch_size = global batch / GPUs")
-    if strategy != "deepspeed":
-        stage, off_opt, off_params = None, False, False
-    elif fixed:  # the spec's own DeepSpeed settings, as written
-        stage, off_opt, off_params = spec_deepspeed(spec)
-    else:  # auto chose DeepSpeed: the stage and offload come with the choice
-        stage, off_opt, off_params = rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer"
+    stage, off_opt, off_params = zero_settings(spec, strategy, fixed is not None, rec)
     estimated = auto and gpu_memory is not None
     train = TrainPlan(
         global_batch=t.global_batch_size, seq_len=spec.data.seq_len, batch_per_rank=per_rank,
@@ -284,6 +279,16 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         gradient_checkpointing=rec.checkpointing, fused_loss=fused)
     return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
                    reason=reason, gpu_memory=gpu_memory, train=train)
+
+
+def zero_settings(spec: Spec, strategy: str, fixed: bool, rec: Any) -> tuple[int | None, bool, bool]:
+    """(ZeRO stage, offload optimizer, offload params) of the plan's strategy: none but for DeepSpeed;
+    the spec's as written where it fixes DeepSpeed; else those the recommendation came with."""
+    if strategy != "deepspeed":
+        return None, False, False
+    if fixed:
+        return spec_deepspeed(spec)
+    return rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer"
 
 
 def spec_deepspeed(spec: Spec) -> tuple[int, bool, bool]:
@@ -536,7 +541,7 @@ def read_plan(path: Path) -> RunPlan:
 def recorded_plan(paths: RunPaths) -> tuple[RunPlan, Path] | None:
     """The plan this run recorded, if any: the newest complete checkpoint's (the state a resume loads
     was trained under it), else `<run dir>/plan.json` (a start that stopped before its first save)."""
-    from hpcgpu.runtime.checkpoint import complete_checkpoints
+    from hpcgpu.runtime.checkpoint import complete_checkpoints  # torch: only in the job, never on the host
 
     done = complete_checkpoints(paths.checkpoints)
     found = [(read_plan(path), path) for path in ([done[-1] / PLAN_FILE] if done else []) + [paths.plan]
@@ -568,8 +573,6 @@ def gpu_memory_reading(device: Any, environ: Mapping[str, str] | None = None) ->
     env = os.environ if environ is None else environ
     text = env.get(ENV_GPU_MEMORY)
     if text:
-        from hpcgpu.gpu.estimate import parse_size
-
         try:
             return parse_size(text)
         except HpcgpuError:
@@ -610,8 +613,6 @@ def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequen
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def count_model() -> tuple[int | None, Any]:
-        from hpcgpu.gpu.estimate import count_params
-
         return count_params(spec)  # meta device: no weights
 
     plan = plan_train(spec, world, device_type=device.type, gpu_memory=agreed, bf16_supported=bf16,

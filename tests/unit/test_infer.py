@@ -129,7 +129,7 @@ import os
 if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HPCGPU_LAUNCHER"):
     from hpcgpu.runtime.tasks import infer
 
-    run = infer.Engine.run
+    run = infer.BatchRunner.run
     ran = []
 
     def failing_run(self, number, batch):
@@ -138,7 +138,7 @@ if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HPCGPU_LAUNCHER"):
             raise RuntimeError("replica 1 fails on purpose")
         return run(self, number, batch)
 
-    infer.Engine.run = failing_run
+    infer.BatchRunner.run = failing_run
 """
 
 
