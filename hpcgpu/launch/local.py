@@ -198,40 +198,59 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
             _signal_all(ranks, preempt_sig)
         interrupted.append(time.monotonic())
 
-    # a closed terminal (SIGHUP) stops the ranks at a checkpoint: dying of it would SIGKILL them
-    # (they die with us); under nohup (SIGHUP ignored) it stays ignored
-    stops = [signal.SIGINT, signal.SIGTERM]
-    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
-        stops.append(signal.SIGHUP)
-    previous = {s: signal.signal(s, on_interrupt) for s in stops}
-    first_failure: tuple[int, int] | None = None
-    deadline: float | None = None
+    previous = {s: signal.signal(s, on_interrupt) for s in stop_signals()}
     try:
-        while any(r.proc.poll() is None for r in ranks):
-            # every rank found failed in one look is named: which of them failed first is for their
-            # failure records' times to say, not for the order they are looked at in. A rank that
-            # stopped at a checkpoint (75) did not fail: its peers are stopping too, within a grace.
-            failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0, EXIT_STOPPED)]
-            if failed and first_failure is None and len(interrupted) < 2:
-                first_failure = (failed[0][0].index, failed[0][1])
-                for r, code in failed:
-                    record_end(r, code)
-                say(f"{exited_text(failed)}; stopping the other ranks")
-                _signal_all(ranks, signal.SIGTERM)
-                deadline = time.monotonic() + STOP_GRACE_S
-            stopped = any(r.proc.returncode == EXIT_STOPPED for r in ranks)
-            if deadline is None and (interrupted or stopped):
-                deadline = (interrupted[0] if interrupted else time.monotonic()) + PREEMPT_GRACE_S
-            if deadline is not None and time.monotonic() > deadline:
-                _signal_all(ranks, signal.SIGKILL)
-            time.sleep(0.1)
+        first_failure = watch_ranks(ranks, interrupted, say)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         for r in ranks:
             r.proc.wait()
             r.log.close()
-    if first_failure is None and len(interrupted) >= 2:
+    return ranks_exit_code(ranks, first_failure, killed=len(interrupted) >= 2, say=say)
+
+
+def stop_signals() -> list[signal.Signals]:
+    """The signals that stop the ranks at a checkpoint. A closed terminal (SIGHUP) is one: dying of it
+    would SIGKILL them (they die with us); under nohup (SIGHUP ignored) it stays ignored."""
+    stops = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        stops.append(signal.SIGHUP)
+    return stops
+
+
+def watch_ranks(ranks: list[Rank], interrupted: list[float], say: Callable[[str], None]) -> tuple[int, int] | None:
+    """Poll the ranks until all have ended: the first to fail stops the others (SIGTERM, then SIGKILL
+    after a grace), as does an interrupt or a rank stopped at a checkpoint. Returns (rank, code) of
+    the first failure seen, or None."""
+    first_failure: tuple[int, int] | None = None
+    deadline: float | None = None
+    while any(r.proc.poll() is None for r in ranks):
+        # every rank found failed in one look is named: which of them failed first is for their
+        # failure records' times to say, not for the order they are looked at in. A rank that
+        # stopped at a checkpoint (75) did not fail: its peers are stopping too, within a grace.
+        failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0, EXIT_STOPPED)]
+        if failed and first_failure is None and len(interrupted) < 2:
+            first_failure = (failed[0][0].index, failed[0][1])
+            for r, code in failed:
+                record_end(r, code)
+            say(f"{exited_text(failed)}; stopping the other ranks")
+            _signal_all(ranks, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+        stopped = any(r.proc.returncode == EXIT_STOPPED for r in ranks)
+        if deadline is None and (interrupted or stopped):
+            deadline = (interrupted[0] if interrupted else time.monotonic()) + PREEMPT_GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            _signal_all(ranks, signal.SIGKILL)
+        time.sleep(0.1)
+    return first_failure
+
+
+def ranks_exit_code(ranks: list[Rank], first_failure: tuple[int, int] | None, killed: bool,
+                    say: Callable[[str], None]) -> int:
+    """The job's exit code: the first failing rank's (its log's end shown when it is not rank 0, whose
+    output is on the console already); EXIT_KILLED for the user's second interrupt; else 0."""
+    if first_failure is None and killed:
         return EXIT_KILLED  # the user's kill, not the job's failure
     if first_failure is None:
         failed = [r for r in ranks if r.proc.returncode not in (0, None)]

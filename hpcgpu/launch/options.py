@@ -30,8 +30,29 @@ def sbatch_options(spec: Spec, run_dir: Path, array: str | None = None) -> list[
     array: a job array's index range (`0-9%4`); its tasks share one script, so SLURM's own log goes to
     run_dir/slurm-<array job>_<task>.* until the script moves each task's output into its run dir.
     """
-    r, s = spec.resources, spec.slurm
+    s = spec.slurm
     log = "slurm-%A_%a" if array else "slurm-%j"
+    opts = request_options(spec)
+    opts += [
+        ("output", str(run_dir / f"{log}.out")),
+        ("error", str(run_dir / f"{log}.err")),
+        ("signal", s.signal),
+    ]
+    if array:
+        opts.append(("array", array))
+    opts.append(("requeue", None) if s.requeue else ("no-requeue", None))
+    opts.append(("open-mode", "append"))
+    for key, value in s.extra.items():
+        if value is True:
+            opts.append((key, None))
+        elif value is not False:
+            opts.append((key, str(value)))
+    return opts
+
+
+def request_options(spec: Spec) -> list[tuple[str, str | None]]:
+    """What the job asks of the cluster: its name, nodes, tasks, GPUs, CPUs, memory, time and where."""
+    r, s = spec.resources, spec.slurm
     opts: list[tuple[str, str | None]] = [
         ("job-name", spec.name),
         ("nodes", str(r.nodes)),
@@ -47,21 +68,4 @@ def sbatch_options(spec: Spec, run_dir: Path, array: str | None = None) -> list[
         value = getattr(s, key)
         if value:
             opts.append((key, value))
-    opts += [
-        ("output", str(run_dir / f"{log}.out")),
-        ("error", str(run_dir / f"{log}.err")),
-        ("signal", s.signal),
-    ]
-    if array:
-        opts.append(("array", array))
-    if s.requeue:
-        opts.append(("requeue", None))
-    else:
-        opts.append(("no-requeue", None))
-    opts.append(("open-mode", "append"))
-    for key, value in s.extra.items():
-        if value is True:
-            opts.append((key, None))
-        elif value is not False:
-            opts.append((key, str(value)))
     return opts

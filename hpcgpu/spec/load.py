@@ -7,7 +7,7 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import yaml
 
@@ -241,6 +241,18 @@ def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[st
 
 def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     """Checks that span several keys."""
+    _check_task_needs(spec, lines, need_data=need_data)
+    ds = spec.distributed.deepspeed
+    if ds.offload_params and ds.zero_stage != 3:
+        raise lines.error("distributed.deepspeed.offload_params", "needs zero_stage: 3")
+    _check_env(spec, lines)
+    _check_slurm_extra(spec, lines)
+    _check_batch(spec, lines)
+    _check_train_keys(spec, lines)
+
+
+def _check_task_needs(spec: Spec, lines: LineMap, *, need_data: bool) -> None:
+    """What each task cannot run without."""
     if spec.task == "infer":
         _check_infer(spec, lines, need_data=need_data)
     if spec.task == "train":
@@ -254,9 +266,10 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
         raise lines.error("entry", "task: callable needs `entry: pkg.module:function`")
     if spec.model.config is not None and "model_type" not in spec.model.config:
         raise lines.error("model.config", "needs model_type (e.g. gpt2, llama)")
-    ds = spec.distributed.deepspeed
-    if ds.offload_params and ds.zero_stage != 3:
-        raise lines.error("distributed.deepspeed.offload_params", "needs zero_stage: 3")
+
+
+def _check_env(spec: Spec, lines: LineMap) -> None:
+    """env: names a shell takes, no literal secrets (they would be written into spec.yaml and job.sbatch)."""
     for name, value in spec.env.items():
         if not re.match(ENV_NAME_RE, name):
             raise lines.error(f"env.{name}", "is not a valid environment variable name")
@@ -267,6 +280,10 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     for name in spec.env_passthrough:
         if name in spec.env:
             raise lines.error("env_passthrough", f"{name} is also given a value in env:; keep one of the two")
+
+
+def _check_slurm_extra(spec: Spec, lines: LineMap) -> None:
+    """slurm.extra: sbatch option names, one-line values, and no --export that drops env_passthrough."""
     export = spec.slurm.extra.get("export")
     if spec.env_passthrough and export is not None and export is not False:
         dropped = export_drops(str(export), spec.env_passthrough)
@@ -278,8 +295,6 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
             raise lines.error(f"slurm.extra.{opt}", "is not an sbatch option name (like mail-type)")
         if isinstance(value, str) and re.search(r"[\x00-\x1f]", value):
             raise lines.error(f"slurm.extra.{opt}", "must be one line without control characters")
-    _check_batch(spec, lines)
-    _check_train_keys(spec, lines)
     _check_sweep(spec, lines)
 
 
@@ -353,7 +368,3 @@ def spec_to_dict(spec: Spec) -> dict:
 
 def dump_spec(spec: Spec) -> str:
     return yaml.safe_dump(spec_to_dict(spec), sort_keys=False, default_flow_style=False, width=100)
-
-
-def spec_from_mapping(data: Mapping[str, Any]) -> Spec:
-    return spec_from_raw(dict(data))

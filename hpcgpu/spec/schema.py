@@ -389,10 +389,6 @@ class Spec:
         return self.resources.nodes * self.tasks_per_node
 
 
-def is_valid_env_name(name: str) -> bool:
-    return re.match(ENV_NAME_RE, name) is not None
-
-
 # names whose value is a credential: a literal value in `env:` would land in spec.yaml and job.sbatch
 SECRET_NAME_RE = r"(?i)(_TOKEN|_KEY|_SECRET)$|PASSWORD"
 
