@@ -32,6 +32,11 @@
 #            save); pooled per model in /tmp/tvl-mfu/<model>.json (other variants: another file, rm it);
 #            $MFU_LLAMA_FITS (default 480) lowers the time mfu-llama needs left to start: its deadline stops between runs;
 #            the report gives PASS/FAIL against the goals (35% / 40%) for every hpcgpu program)
+#            ab-train, ab-infer (a refactor's spot check, before/after interleaved in one call: this checkout
+#            against the package in .ab/old, `git archive REV hpcgpu | tar -x -C .ab/old`, carry .ab):
+#            ab-train: $AB_ROUNDS train_vs_loops rounds (default 1, pooled over calls in /tmp/tvl-ab) of hpcgpu
+#            and hpcgpu+old at $AB_GPUS (default 1,2); ab-infer: 3 rounds of infer_throughput's 768 rows,
+#            hpcgpu and hpcgpu old
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +98,12 @@ run_step() {
         | tee "$OUT/profile_step.log" | grep -vE "^ +[a-zA-Z_:.]+ +[0-9.]+%" | tail -40
       # profile_step.py copies each program's traces to $OUT/profile/{minimal,hpcgpu}: one archive comes back, not ~8 files
       [ -d "$OUT/profile" ] && tar czf "$OUT/profiles.tgz" -C "$OUT" profile && rm -rf "$OUT/profile" ;;
+    ab-train) fits 200 && mkdir -p /tmp/tvl-ab && step python3 benchmarks/train_vs_loops.py --gpus "${AB_GPUS:-1,2}" \
+        --programs hpcgpu --hpcgpu-variants "old@.ab/old" --repeats "${AB_ROUNDS:-1}" --work /tmp/tvl-ab \
+        --append /tmp/tvl-ab/rounds.json --json "$OUT/ab_train.json" \
+        --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/ab_train.log" | tail -30 ;;
+    ab-infer) fits 330 && step python3 benchmarks/infer_throughput.py --variants "hpcgpu,hpcgpu old" --old-checkout .ab/old \
+        --rows 768 --repeats 3 --work /tmp/ib-ab --json "$OUT/ab_infer.json" 2>&1 | tee "$OUT/ab_infer.log" | tail -25 ;;
     mfu) run_step mfu-gpt2; run_step mfu-llama ;;
     mfu-gpt2) fits 300 && mfu_round gpt2-124m "${MFU_VARIANTS_GPT2-$MFU_GPT2_DEFAULT}" ;;
     mfu-llama) fits "${MFU_LLAMA_FITS:-480}" && mfu_round llama-1b "${MFU_VARIANTS_LLAMA-$MFU_LLAMA_DEFAULT}" --steps 150 --warmup 20 \

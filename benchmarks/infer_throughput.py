@@ -94,6 +94,8 @@ VARIANTS = {  # name -> (program, sorted / static, plain loop without cuDNN atte
     # and it builds a plan, tens of ms, for every new sequence length: a cost that grows with sorting)
     "plain nocudnn": ("plain", False, True),
     "plain sorted nocudnn": ("plain", True, True),
+    # another commit's hpcgpu (--old-checkout DIR: `git archive REV hpcgpu | tar -x -C DIR`), beside this one's
+    "hpcgpu old": ("hpcgpu-old", False, False),
 }
 DEFAULT_VARIANTS = ["plain", "plain sorted", "hpcgpu", "hpcgpu static"]
 
@@ -236,10 +238,15 @@ def static_rejected(args: argparse.Namespace, work: Path, spec: Path) -> str | N
     return line.removeprefix("hpcgpu: error: ")
 
 
-def run_hpcgpu(args: argparse.Namespace, work: Path, spec: Path, gpus: int, static: bool) -> dict[str, Any]:
+def run_hpcgpu(args: argparse.Namespace, work: Path, spec: Path, gpus: int, static: bool,
+               checkout: str | None = None) -> dict[str, Any]:
     cmd = hpcgpu_cmd(spec, gpus, static)
+    env, cwd = child_env(args, work), REPO
+    if checkout is not None:  # that checkout's hpcgpu: first on the path, and the cwd `-m` looks in first
+        env["PYTHONPATH"] = os.pathsep.join([checkout, env["PYTHONPATH"]])
+        cwd = Path(checkout)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(args, work))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -381,7 +388,8 @@ def throughput(args: argparse.Namespace, work: Path, model_dir: Path, info: dict
                 if kind == "plain":
                     res = run_plain(args, work, model_dir, data, sort=option, no_cudnn=no_cudnn)
                 else:
-                    res = run_hpcgpu(args, work, spec, 1, static=option)
+                    old = args.old_checkout if kind == "hpcgpu-old" else None
+                    res = run_hpcgpu(args, work, spec, 1, static=option, checkout=old)
             except VariantSkipped as exc:
                 notes.append(f"{name} skipped from round {rnd + 1} on: {exc}")
                 note(notes[-1])
@@ -580,6 +588,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--min-prompt", type=int, default=8, help="shortest prompt, tokens (default 8)")
     ap.add_argument("--max-prompt", type=int, default=512, help="longest prompt, tokens (default 512)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 3; 1 with --smoke)")
+    ap.add_argument("--old-checkout", default=None, metavar="DIR",
+                    help="the package the 'hpcgpu old' variant runs (DIR/hpcgpu: another commit's)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help=f"comma-separated, of: {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--scaling", action="store_true", help="hpcgpu's data-parallel scaling over --gpus instead")
@@ -614,6 +624,10 @@ def main(argv: list[str]) -> int:
         args.repeats = 1 if args.smoke else 3
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if "hpcgpu old" in args.variants.split(","):
+        if not (args.old_checkout and Path(args.old_checkout, "hpcgpu", "__init__.py").is_file()):
+            ap.error("the 'hpcgpu old' variant needs --old-checkout DIR holding DIR/hpcgpu/__init__.py")
+        args.old_checkout = str(Path(args.old_checkout).resolve())
     if args.kv_cache and not args.scaling:
         ap.error("--kv-cache is for --scaling (the throughput mode runs both caches)")
     info_limit = MODELS[args.model].get("n_positions") or MODELS[args.model].get("max_position_embeddings")
