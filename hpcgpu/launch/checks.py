@@ -1,6 +1,7 @@
 """Checks on this host before a job is made: what would fail in the job, found before its wait in the queue.
 
-One place, used by `hpcgpu validate`, `hpcgpu sbatch` and `hpcgpu submit` (SLURM and local):
+One place, run by the host's resolve step (hpcgpu/launch/resolve.py) for `hpcgpu validate`, `hpcgpu sbatch`,
+`hpcgpu submit` (SLURM and local) and `hpcgpu queue`; SPEC_CHECKS below is the table of key -> check:
 - the input files a spec names exist here and can be read (data.train, data.eval,
   distributed.deepspeed.config, a local model.name_or_path, infer.input; a hub id such as gpt2 is not
   a path); a data.train/data.eval folder is a complete prepared dataset (its manifest.json) or raw data

@@ -104,7 +104,7 @@ def submit_to_slurm(spec: Spec, tasks: list[SweepTask], spec_file: str, registry
 def dry_run_script(spec: Spec, tasks: list[SweepTask]) -> str:
     """The batch file that would be submitted (the first one, for a sweep split in several);
     tasks: the spec's sweep points, [] for a single job."""
-    from hpcgpu.launch.submitit_slurm import submission_text
+    from hpcgpu.launch.submitit_slurm import submission_text  # submitit loads only for a dry run
 
     if tasks:
         check_one_script(tasks)
