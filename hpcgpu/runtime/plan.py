@@ -245,22 +245,10 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
     compiled = compiled_step(spec, on_gpu=device_type == "cuda")
     auto = t.micro_batch_size == "auto" or fixed is None or t.gradient_checkpointing == "auto"
     max_steps, per_epoch = train_steps(spec, num_sequences)
-    counted = count_model() if count_model is not None and device_type == "cuda" and t.fused_loss else None
     fused = t.fused_loss
-    if fused:
-        check_fused_loss(device_type, model_type_of(counted[1]) if counted else None, fixed == "deepspeed")
-    if auto and gpu_memory is not None:
-        if count_model is None:
-            raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
-        n_params, config = counted or count_model()
-        rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks,
-                                fused_loss=fused)
-        if fused and rec.strategy == "deepspeed" and fixed is None:  # the estimate chose DeepSpeed after all
-            check_fused_loss(device_type, model_type_of(config), True)
-        reason = rec.reason
-    else:
-        rec = recommend_for_job(spec, None, None, None, world, ranks=ranks)  # checks the split too
-        reason = rec.reason if auto else "micro batch and strategy as the spec fixes them"
+    rec, reason = _recommend(spec, world, device_type, gpu_memory if auto else None, count_model, fixed, compiled)
+    if not auto:
+        reason = "micro batch and strategy as the spec fixes them"
     strategy = fixed or rec.strategy
     per_rank, accum = batch_split(t.global_batch_size, world, rec.micro_batch, ranks=ranks)
     if strategy == "ddp" and spec.distributed.ddp.static_graph and accum > 1:
@@ -279,6 +267,30 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         gradient_checkpointing=rec.checkpointing, fused_loss=fused)
     return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
                    reason=reason, gpu_memory=gpu_memory, train=train)
+
+
+def _recommend(spec: Spec, world: int, device_type: str, gpu_memory: int | None,
+               count_model: Callable[[], tuple[int | None, Any]] | None, fixed: str | None,
+               compiled: bool) -> tuple[Any, str]:
+    """gpu/recommend's choice for this job and why: from the memory estimate where gpu_memory is
+    given (an auto setting and a GPU reading), else the CPU rule; train.fused_loss is checked on
+    the model it would fuse."""
+    ranks = ranks_of_job(spec, world)
+    fused = spec.train.fused_loss
+    counted = count_model() if count_model is not None and device_type == "cuda" and fused else None
+    if fused:
+        check_fused_loss(device_type, model_type_of(counted[1]) if counted else None, fixed == "deepspeed")
+    if gpu_memory is None:
+        rec = recommend_for_job(spec, None, None, None, world, ranks=ranks)  # checks the split too
+        return rec, rec.reason
+    if count_model is None:
+        raise ValueError("plan_train: count_model is needed to fit the model into GPU memory")
+    n_params, config = counted or count_model()
+    rec = recommend_for_job(spec, n_params, config, gpu_memory, world, compiled=compiled, ranks=ranks,
+                            fused_loss=fused)
+    if fused and rec.strategy == "deepspeed" and fixed is None:  # the estimate chose DeepSpeed after all
+        check_fused_loss(device_type, model_type_of(config), True)
+    return rec, rec.reason
 
 
 def zero_settings(spec: Spec, strategy: str, fixed: bool, rec: Any) -> tuple[int | None, bool, bool]:
