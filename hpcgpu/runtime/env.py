@@ -217,16 +217,7 @@ def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
     world = _int(env, world_var)
     nnodes = int(_first(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES") or 1)
     node_rank = _int(env, "SLURM_NODEID", 0)
-    per_node_var, per_node_expr = _pick(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-                                        "SLURM_NTASKS_PER_NODE")
-    per_node_expr = per_node_expr or str(world // max(nnodes, 1))
-    per_node = tasks_per_node(per_node_expr)
-    if len(per_node) == 1 and nnodes > 1:
-        per_node = per_node * nnodes
-    if sum(per_node) != world:
-        raise EnvironmentError_(
-            f"tasks do not add up: {world_var}={world} but tasks per node {per_node_expr!r} "
-            f"({per_node_var}) over {nnodes} node(s) make {sum(per_node)}")
+    per_node = _slurm_tasks_per_node(env, world_var, world, nnodes)
     if node_rank >= len(per_node):
         raise EnvironmentError_(f"SLURM_NODEID={node_rank} but the job has {len(per_node)} node(s)")
     nodelist_var, nodelist = _pick(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
@@ -253,6 +244,21 @@ def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
         hosts=hosts,
         visible_devices=_visible(env),
     )
+
+
+def _slurm_tasks_per_node(env: Mapping[str, str], world_var: str, world: int, nnodes: int) -> list[int]:
+    """Each node's task count, which must add up to the world size."""
+    per_node_var, per_node_expr = _pick(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                                        "SLURM_NTASKS_PER_NODE")
+    per_node_expr = per_node_expr or str(world // max(nnodes, 1))
+    per_node = tasks_per_node(per_node_expr)
+    if len(per_node) == 1 and nnodes > 1:
+        per_node = per_node * nnodes
+    if sum(per_node) != world:
+        raise EnvironmentError_(
+            f"tasks do not add up: {world_var}={world} but tasks per node {per_node_expr!r} "
+            f"({per_node_var}) over {nnodes} node(s) make {sum(per_node)}")
+    return per_node
 
 
 def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
