@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from hpcgpu.cli.options import spec_options
+from hpcgpu.contract import RunPaths
 from hpcgpu.errors import UsageError
 from hpcgpu.launch.resolve import SBATCH, resolve
 from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_dir_error, write_atomic
@@ -31,7 +32,7 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     # env_passthrough only warns: the script takes the values from the shell that runs `sbatch` later
     spec = resolve(spec, SBATCH, say=lambda message: click.echo(f"hpcgpu: {message}", err=True)).spec
     run_dir = run_dir_path(spec)
-    spec_path = run_dir / "spec.yaml"
+    spec_path = RunPaths(run_dir).spec
     text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))
     make_run_dir(spec, run_id=run_dir.name)  # only once the script renders: no run dir for a refused one
     try:

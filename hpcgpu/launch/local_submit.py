@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Mapping
 
-from hpcgpu.contract import EXIT_KILLED, EXIT_STOPPED
+from hpcgpu.contract import EXIT_KILLED, EXIT_STOPPED, RunPaths
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.gpu.busy import BusyThresholds, busy_detail, is_busy, select
 from hpcgpu.gpu.source import default_source
@@ -138,7 +138,7 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
                  task: TaskRecord | None = None, echo: IO[str] | None = None, say: Say = _stderr) -> int:
     """Run the ranks here and record how they ended (the job's, or one sweep task's, state)."""
     try:
-        code = run_local(spec, run_dir / "spec.yaml", run_dir, task.id if task else record.job_id,
+        code = run_local(spec, RunPaths(run_dir).spec, run_dir, task.id if task else record.job_id,
                          echo=sys.stdout if echo is None else echo, say=say)
     except BaseException:
         registry.update(record, state="FAILED", reason="the local executor failed", ended=time.time())
@@ -167,8 +167,8 @@ def unfinished_run(spec: Spec, registry: Registry, fresh: bool = False) -> Path 
     if run_dir is not None and run_dirs_in_use(registry)(run_dir):
         # the same command while the job (or ranks it left) still runs: never a second writer
         raise runlock.RunDirLocked(run_dir)
-    if run_dir is not None and (run_dir / "spec.yaml").read_text() != (text := dump_spec(spec)):
-        write_atomic(run_dir / "spec.yaml", text)  # an infer run going on with another replica count
+    if run_dir is not None and RunPaths(run_dir).spec.read_text() != (text := dump_spec(spec)):
+        write_atomic(RunPaths(run_dir).spec, text)  # an infer run going on with another replica count
     return run_dir
 
 
@@ -265,7 +265,7 @@ def run_registered(registry: Registry, job_id: str, say: Say = _stderr) -> int:
     try:
         with runlock.hold(run_dir, record.job_id):
             executor_started(registry, record, os.getpid())  # as the queue wrote it: this process
-            spec = load_spec(str(run_dir / "spec.yaml"))  # the resolved spec the ranks run, too
+            spec = load_spec(str(RunPaths(run_dir).spec))  # the resolved spec the ranks run, too
             return run_recorded(registry, record, spec, run_dir, say=say)
     except HpcgpuError as exc:
         if record.state not in ("FAILED", "COMPLETED", "CANCELLED", "PREEMPTED"):

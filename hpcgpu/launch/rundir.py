@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import yaml
 
 from hpcgpu.errors import SpecError
-from hpcgpu.contract import is_finished
+from hpcgpu.contract import RunPaths, is_finished
 from hpcgpu.spec import Spec, dump_spec
 
 
@@ -34,10 +34,10 @@ def make_run_dir(spec: Spec, root: str | os.PathLike | None = None, run_id: str 
     runs_dir = str(root) if root is not None else spec.runs_dir
     created = make_dirs(run_dir, runs_dir)
     try:
-        write_atomic(run_dir / "spec.yaml", dump_spec(spec))
+        write_atomic(RunPaths(run_dir).spec, dump_spec(spec))
     except OSError as exc:
         remove_dirs(created)
-        raise runs_dir_error(runs_dir, exc, run_dir / "spec.yaml") from None
+        raise runs_dir_error(runs_dir, exc, RunPaths(run_dir).spec) from None
     return run_dir
 
 
@@ -115,7 +115,7 @@ def runs_of_this_spec(spec: Spec) -> Iterator[Path]:
     text = dump_spec(spec)
     for run_dir in found:
         try:
-            same = same_run_spec(text, (run_dir / "spec.yaml").read_text(), spec.task)
+            same = same_run_spec(text, RunPaths(run_dir).spec.read_text(), spec.task)
         except (OSError, UnicodeDecodeError):
             continue
         if same:

@@ -9,6 +9,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError, SchedulerError
 from hpcgpu.launch.options import per_node_text, sbatch_options
 from hpcgpu.launch.preflight import check_request
@@ -38,7 +39,7 @@ def header(spec: Spec, spec_ref: str) -> str:
 
 
 def single_plan(spec: Spec, run_dir: Path) -> Plan:
-    spec_path = run_dir / "spec.yaml"
+    spec_path = RunPaths(run_dir).spec
     return Plan(sbatch_options(spec, run_dir),
                 header(spec, str(spec_path)) + render_body(spec, run_dir, spec_path), run_dir)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from hpcgpu.contract import RunPaths
 from hpcgpu.errors import SpecError, UsageError
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.launch.rundir import make_dirs, remove_dirs, run_dir_path, runs_dir_error, write_atomic
@@ -130,7 +131,7 @@ def write_sweep(spec: Spec, tasks: list[SweepTask]) -> SweepDir:
         for task in tasks:
             run_dir = root / str(task.index)
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(run_dir / "spec.yaml", dump_spec(task.spec))
+            write_atomic(RunPaths(run_dir).spec, dump_spec(task.spec))
             run_dirs.append(run_dir)
         tasks_file = root / "tasks.txt"
         write_atomic(tasks_file, "".join(f"{d / 'spec.yaml'}\n" for d in run_dirs))
