@@ -154,7 +154,8 @@ class Ddp:
 @dataclass(frozen=True)
 class Distributed:
     strategy: Literal["auto", "ddp", "deepspeed", "none"] = field(default="auto", metadata=meta(
-        "auto picks ddp for several ranks, none for one"))
+        "auto: ddp for several ranks, none for one, or deepspeed when the memory estimate says the model "
+        "does not fit DDP on these GPUs (the run plan decides, plan.json records it)"))
     ddp: Ddp = field(default_factory=Ddp, metadata=meta("DistributedDataParallel settings (strategy ddp)"))
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed, metadata=meta("DeepSpeed settings"))
     nccl: Nccl = field(default_factory=Nccl, metadata=meta("NCCL settings exported before init"))
@@ -241,8 +242,8 @@ class Train:
     fused_loss: bool = field(default=False, metadata=meta(
         "the loss from the last hidden states through Liger's fused linear cross entropy, never holding the "
         "[tokens x vocab] logits (their memory goes to an auto micro batch), for model types gpt2, llama, "
-        "mistral, qwen2, qwen3, phi3, olmo2 on GPUs (pip install 'hpcgpu[fused]'); it saves memory, not time: "
-        "GPT-2 124M at micro 16 on an H200 ran 22% slower with it"))
+        "mistral, qwen2, qwen3, phi3, olmo2 on GPUs (pip install 'hpcgpu[fused]'); it saves memory, not time "
+        "(benchmarks/RESULTS.md has the measured cost)"))
     gc_every: int = field(default=50, metadata=meta(
         "Python's garbage collection runs on every rank at the same steps, every N, instead of whenever a "
         "rank has allocated enough (a rank paused by it holds up the others' all-reduce); 0: automatic",
