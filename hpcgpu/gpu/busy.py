@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hpcgpu.gpu.readings import GpuReading
+from hpcgpu.gpu.source import default_source
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,6 @@ def strictest(thresholds: Sequence[BusyThresholds]) -> BusyThresholds:
 def smallest_gpu(devices: str | None, cuda_visible: str | None, count: int | None = None) -> tuple[int | None, str]:
     """The smallest total memory among the GPUs a job here would use (the first `count` of them), and
     what that GPU is; (None, why) without one."""
-    from hpcgpu.gpu.source import default_source
-
     source = default_source()
     if not source.available():
         return None, "no GPU detected here"
