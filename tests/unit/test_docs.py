@@ -97,3 +97,29 @@ def test_readme_stays_short():
     lines = len((REPO / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, (f"README.md has {lines} lines (at most {README_MAX_LINES}): "
                                        "put the detail in a docs/ page and link it")
+
+
+# The newcomer test of docs/architecture.md: each "where is X" is answered by its code map in one look,
+# and the answer is still true (the file holds the name the map gives).
+WHERE_IS = {
+    "the sbatch template": ("hpcgpu/launch/templates/job.sbatch", None),
+    "the signal handler": ("hpcgpu/runtime/preempt.py", "class StopFlag"),
+    "the checkpoint save": ("hpcgpu/runtime/checkpoint.py", "def save("),
+    "the infer batching": ("hpcgpu/runtime/tasks/infer.py", "def make_batches("),
+    "the DDP wrap": ("hpcgpu/runtime/engine.py", "def wrap_ddp("),
+    "the registry schema": ("hpcgpu/launch/registry.py", "SCHEMA = "),
+    "the queue's GPU pick": ("hpcgpu/launch/queue.py", "def take("),
+    "the estimate formula": ("hpcgpu/gpu/estimate.py", "def infer_row_bytes("),
+    "the one stop": ("hpcgpu/runtime/stop.py", "def stop_job("),
+    "the one resolve step": ("hpcgpu/launch/resolve.py", "def resolve("),
+}
+
+
+@pytest.mark.parametrize("what", sorted(WHERE_IS))
+def test_architecture_code_map_answers_where_is(what):
+    path, name = WHERE_IS[what]
+    arch = (REPO / "docs" / "architecture.md").read_text()
+    short = path.removeprefix("hpcgpu/").removeprefix("runtime/").removeprefix("launch/").removeprefix("gpu/")
+    assert what in arch and short in arch, f"docs/architecture.md should say where {what} is ({path})"
+    text = (REPO / path).read_text()
+    assert name is None or name in text, f"{path} no longer holds {name!r}: update docs/architecture.md"
