@@ -199,8 +199,12 @@ def start_long_train(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.
             raise AssertionError(f"the job ended early ({proc.returncode}): {(tmp_path / f'{name}.out').read_text()}")
         return None
 
-    metrics = wait_for(first_metrics, timeout=60)
-    assert metrics, "no train metrics within 60 s"
+    try:
+        metrics = wait_for(first_metrics, timeout=60)
+        assert metrics, "no train metrics within 60 s"
+    except BaseException:  # the caller's cleanup never runs: a 100000-step job must not outlive the test
+        stop(proc, str(tmp_path / "runs"))
+        raise
     return proc, metrics.parent
 
 
