@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.estimate import MaxMemory
+from hpcgpu.gpu.estimate import WEIGHTS_SHARE, MaxMemory
 from hpcgpu.spec import Spec
 from hpcgpu.spec.load import is_local_path
 
@@ -153,15 +153,13 @@ def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap
         raise cannot_load(spec, exc) from None
 
 
-HEADROOM_FRACTION = 0.15  # of a GPU's free memory kept from the weights: the KV cache and activations of a batch
-
-
 def replica_max_memory(gpu_cap: int | None, cpu_bytes: int) -> dict[Any, int]:
-    """accelerate's max_memory for this replica's GPUs: the cap, else each GPU's free memory less headroom."""
+    """accelerate's max_memory for this replica's GPUs: the cap, else WEIGHTS_SHARE of each GPU's free
+    memory (the memory model's split rule: the rest holds a batch's KV cache and activations)."""
     out: dict[Any, int] = {}
     for i in range(torch.cuda.device_count()):
         free = int(torch.cuda.mem_get_info(i)[0])
-        out[i] = min(gpu_cap, free) if gpu_cap is not None else int(free * (1 - HEADROOM_FRACTION))
+        out[i] = min(gpu_cap, free) if gpu_cap is not None else int(free * WEIGHTS_SHARE)
     if cpu_bytes:
         out["cpu"] = cpu_bytes
     return out
