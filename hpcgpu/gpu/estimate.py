@@ -352,11 +352,15 @@ ACT_PER_TOKEN = 16  # x hidden: one layer's attention and MLP intermediates, per
 HEADROOM = 0.9  # of the GPU memory free beside the weights, for the rows of a batch (the rest: allocator slack)
 HEADROOM_BYTES = GiB  # and this much less again (CUDA graphs, library workspaces)
 # batch_size: auto on a GPU: the largest power of two that fits (GPUs of one kind whose free memory
-# differs by a few MB choose the same), at most the cap, and small enough to make INFER_MIN_BATCHES
-# batches where that leaves INFER_MIN_ROWS rows or more a batch (many replicas all get rows, a stop comes soon)
-INFER_BATCH_CAP = {"generate": 256, "score": 64}
+# differs by a few MB choose the same), at most the cap. The batch engine (score mode, models the slot
+# engine does not take) also keeps it small enough to make INFER_MIN_BATCHES batches where that leaves
+# INFER_MIN_ROWS rows or more a batch (many replicas all get rows, a stop comes soon); the slot engine
+# (generate) to SLOT_FILLS fills of every replica's slots (its slots refill row by row: more slots are
+# more rows a decode step, up to the cap, where the KV cache read dominates the step)
+INFER_BATCH_CAP = {"generate": 256, "score": 64, "slots": 512}
 INFER_MIN_BATCHES = 16
 INFER_MIN_ROWS = 8
+SLOT_FILLS = 2
 
 
 @dataclass(frozen=True)
@@ -445,8 +449,16 @@ def rows_room(free: int, cap_left: int | None = None) -> int:
     return max(0, room if cap_left is None else min(room, cap_left))
 
 
-def infer_batch_limit(mode: str, rows: int | None = None) -> tuple[int, str]:
-    """The most rows batch_size: auto puts in a batch for `rows` rows (None: not known), and why."""
+def infer_batch_limit(mode: str, rows: int | None = None, engine: str = "slots",
+                      replicas: int = 1) -> tuple[int, str]:
+    """The most rows batch_size: auto puts in a batch (slots: in the slots) for `rows` rows (None: not
+    known) over `replicas` model copies, and why."""
+    if mode == "generate" and engine == "slots":
+        cap = INFER_BATCH_CAP["slots"]
+        spread = cap if rows is None else max(INFER_MIN_ROWS, pow2_floor(-(-rows // (SLOT_FILLS * replicas))))
+        if spread >= cap:
+            return cap, f"at most {cap} slots"
+        return spread, f"at most {spread} slots: {SLOT_FILLS} fills of each replica's slots from the {rows} rows"
     cap = INFER_BATCH_CAP[mode]
     spread = cap if rows is None else max(INFER_MIN_ROWS, pow2_floor(-(-rows // INFER_MIN_BATCHES)))
     if spread >= cap:
@@ -454,9 +466,9 @@ def infer_batch_limit(mode: str, rows: int | None = None) -> tuple[int, str]:
     return spread, f"at most {spread} for {INFER_MIN_BATCHES} batches of the {rows} rows"
 
 
-def auto_infer_batch(fit: int, mode: str, rows: int | None = None) -> int:
+def auto_infer_batch(fit: int, mode: str, rows: int | None = None, engine: str = "slots", replicas: int = 1) -> int:
     """batch_size: auto on a GPU where `fit` rows fit: the largest power of two within the limit, at least 1."""
-    return max(1, min(infer_batch_limit(mode, rows)[0], pow2_floor(fit)))
+    return max(1, min(infer_batch_limit(mode, rows, engine, replicas)[0], pow2_floor(fit)))
 
 
 def pow2_floor(n: int) -> int:

@@ -112,11 +112,17 @@ class InferPlan:
     # the spec's settings each row's output depends on (infer_settings): a resume refuses a change, which
     # would leave outputs.jsonl a mix of two runs; {} in a plan of an older hpcgpu
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # slots: runtime/slots.py (batch_size is the slot count, batches the queue's chunks); batches: the
+    # batch engine (score mode, models the slot engine does not take, and plans of an older hpcgpu)
+    engine: str = "batches"
 
     def how(self) -> str:
         what = self.mode if self.mode == "score" else (
             f"generate ({'sampling' if self.sampling else 'greedy'}, max_new_tokens {self.max_new_tokens})")
         gpus = f" x {self.gpus_per_replica} GPU(s)" if self.gpus_per_replica else " on CPU"
+        if self.engine == "slots":
+            return (f"{what}, {self.replicas} replica(s){gpus}, {self.batch_size} slots each: {self.rows} rows in "
+                    f"{self.batches} chunks")
         return (f"{what}, {self.replicas} replica(s){gpus}, batch {self.batch_size}: {self.rows} rows in "
                 f"{self.batches} batches")
 
@@ -461,14 +467,15 @@ def infer_precision(model_dtype: str, device_type: str, bf16_supported: bool) ->
 
 def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows: int, max_tokens: int,
                input_digest: str = "", budget_bytes: int | None = None,
-               bytes_per_row: int | None = None) -> RunPlan:
+               bytes_per_row: int | None = None, engine: str = "batches") -> RunPlan:
     """The plan of a fresh `task: infer` job. budget_bytes: the GPU memory the rows of a batch may use
     on one GPU of a replica (the smallest over the replicas' GPUs; None on CPU), bytes_per_row: one
     row's share of it (gpu/estimate.py rows_room and row_bytes_per_gpu: the memory model
     `hpcgpu estimate` shows).
 
     batch_size: auto is 8 on CPU; on a GPU gpu/estimate.py auto_infer_batch: the largest power of two
-    that fits, capped. The batch never depends on the replica count: the outputs do not either."""
+    that fits, capped. engine: slots (batch_size is the slots of each replica) or batches. The outputs
+    never depend on the batch, the slots or the replica count."""
     inf = spec.infer
     mode = inf.mode
     fits = None
@@ -479,23 +486,31 @@ def plan_infer(spec: Spec, world: int, *, device_type: str, precision: str, rows
     else:
         fit = max(0, budget_bytes) // bytes_per_row
         fits = fit >= 1
-        batch, limit = auto_infer_batch(fit, mode, rows), infer_batch_limit(mode, rows)[1]
+        batch = auto_infer_batch(fit, mode, rows, engine, world)
+        limit = infer_batch_limit(mode, rows, engine, world)[1]
         reason = (f"{fmt_bytes(budget_bytes)} free beside the weights, about {fmt_bytes(bytes_per_row)} a row "
                   f"({max_tokens} tokens at most): {batch} rows a batch (the largest power of two that fits, "
                   f"{limit})")
         if not fits:
             reason = (f"not even one row of {max_tokens} tokens fits the {fmt_bytes(budget_bytes)} free beside the "
                       f"weights (about {fmt_bytes(bytes_per_row)} a row): 1 row a batch; it may run out of memory")
-    batches = -(-rows // batch)
+    # the slot engine takes rows from the queue in chunks of a quarter of its slots
+    batches = -(-rows // chunk_rows(batch, engine))
     on_gpu = device_type == "cuda"
     infer = InferPlan(mode=mode, replicas=world, gpus_per_replica=spec.gpus_per_task if on_gpu else 0,
                       batch_size=batch, rows=rows, batches=batches, max_tokens=max_tokens,
                       max_new_tokens=inf.max_new_tokens if mode == "generate" else None,
                       sampling=mode == "generate" and inf.temperature > 0, input_digest=input_digest,
                       bytes_per_row=bytes_per_row if budget_bytes is not None else None,
-                      budget_bytes=budget_bytes, fits=fits, settings=infer_settings(spec))
+                      budget_bytes=budget_bytes, fits=fits, settings=infer_settings(spec), engine=engine)
     return RunPlan(task="infer", world_size=world, precision=precision, reason=reason, gpu_memory=budget_bytes,
                    infer=infer)
+
+
+def chunk_rows(batch: int, engine: str) -> int:
+    """Rows a replica takes from the queue at a time: a batch, or a quarter of the slots (slots refill
+    as rows end; small chunks even out the replicas' ends)."""
+    return max(1, batch // 4) if engine == "slots" else batch
 
 
 def infer_settings(spec: Spec) -> dict[str, Any]:

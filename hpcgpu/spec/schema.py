@@ -281,7 +281,8 @@ class Infer:
     stop: list[str] = field(default_factory=list, metadata=meta(
         "strings that end a completion (cut before them)"))
     batch_size: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
-        "rows per forward pass; auto: 8 on CPU, from free memory on a GPU", min=1))
+        "rows per forward pass (engine slots: the slots of each replica); auto: 8 on CPU, from free memory "
+        "on a GPU", min=1))
     gpus_per_replica: Union[int, Literal["auto"]] = field(default="auto", metadata=meta(
         "GPUs of a node one model copy spans (its layers spread over them, accelerate's device_map); "
         "auto: the fewest that fit, decided at submit from the model's config and the GPU memory "
@@ -290,9 +291,16 @@ class Infer:
         "per-GPU memory a model copy may use (\"70GiB\"), optionally weights offloaded to CPU memory "
         "(\"70GiB,cpu=200GiB\"); auto: each GPU's free memory less headroom", pattern=r"^[^\x00-\x1f]*$",
         fmt="auto or a size like 70GiB, optionally ',cpu=SIZE'"))
+    engine: Literal["slots", "batches"] = field(default="slots", metadata=meta(
+        "generate: slots (a static KV cache of batch_size slots, the decode step captured as a CUDA graph, a "
+        "row's slot refilled as soon as it ends; a model it does not take runs on batches, with a log line "
+        "saying why) or batches (model.generate a batch at a time); score runs on batches"))
+    refill: bool = field(default=True, metadata=meta(
+        "engine slots: a finished row's slot takes the next row at once; false: new rows only once every "
+        "slot is free (a fixed batch, for comparison)"))
     kv_cache: Literal["dynamic", "static"] = field(default="dynamic", metadata=meta(
-        "generate's KV cache: dynamic (grows with the batch) or static (transformers' preallocated cache, "
-        "sized by the first batch, the longest)"))
+        "engine batches: generate's KV cache: dynamic (grows with the batch) or static (transformers' "
+        "preallocated cache, sized by the first batch, the longest)"))
 
 
 @dataclass(frozen=True)

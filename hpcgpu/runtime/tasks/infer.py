@@ -43,7 +43,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, 
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.infer_rows import Row, read_rows
 from hpcgpu.runtime import infer_outputs as outputs
+from hpcgpu.runtime import slots as slot_engine
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.dist import agreed_min, coordination_barrier, coordination_group
@@ -63,8 +64,8 @@ from hpcgpu.runtime.requeue import mark_finished
 from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.model import load_for_inference, model_config, not_in_cache, placement
-from hpcgpu.runtime.plan import (DTYPE_OF_PRECISION, RunPlan, check_recorded, gpu_memory_reading, infer_precision,
-                                 plan_infer, recorded_plan, with_replicas)
+from hpcgpu.runtime.plan import (DTYPE_OF_PRECISION, RunPlan, check_recorded, chunk_rows, gpu_memory_reading,
+                                 infer_precision, plan_infer, recorded_plan, with_replicas)
 from hpcgpu.runtime.tasks.train import quiet_libraries, record_plan
 from hpcgpu.spec import Spec
 
@@ -72,6 +73,7 @@ log = logging.getLogger("hpcgpu")
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOG_EVERY_S = 10.0  # rank 0's progress line and metrics record, at most this often (and the first and last)
+STORE_EVERY_S = 0.25  # the slot engine: the shared counters and the stop flag, read and written this often
 
 
 # ---------------------------------------------------------------- tokenizer and rows
@@ -258,10 +260,29 @@ def check_replica_fits(spec: Spec, config: Any, precision: str, device: torch.de
 
 # ---------------------------------------------------------------- generation and scoring
 
+def stop_window(stops: Sequence[str]) -> int:
+    """Tokens at the end of a completion that hold any stop string whole."""
+    return 4 * max(len(s) for s in stops) + 4
+
+
+def stop_finder(stops: Sequence[str], codec: Codec) -> Callable[[list[int], int], int | None]:
+    """For the slot engine: the first count of tokens (after `before`) whose last stop_window tokens
+    hold a stop string, as _stop_criteria would have stopped generate there; None if none does."""
+    window = stop_window(stops)
+
+    def first_stop(tokens: list[int], before: int) -> int | None:
+        if not any(s in codec.decode(tokens[max(0, before + 1 - window):]) for s in stops):
+            return None
+        return next((m for m in range(before + 1, len(tokens) + 1)
+                     if any(s in codec.decode(tokens[max(0, m - window):m]) for s in stops)), None)
+
+    return first_stop
+
+
 def _stop_criteria(stops: Sequence[str], codec: Codec, prompt_len: int) -> Any:
     from transformers import StoppingCriteria
 
-    window = 4 * max(len(s) for s in stops) + 4  # tokens: enough to hold any stop string whole
+    window = stop_window(stops)
 
     class StopStrings(StoppingCriteria):
         """A row is done once its completion holds a stop string (the rest of the batch goes on)."""
@@ -290,28 +311,55 @@ class BatchResult:
     completion_tokens: int
 
 
+def end_tokens(model: Any, codec: Codec) -> tuple[list[int], int]:
+    """(the ids that end a completion, the padding id): the tokenizer's and the model's EOS inside the
+    vocabulary (GPT-2's default 50256 in a byte-level model is no end of anything), pad or else EOS."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = getattr(config, "vocab_size", None) or 1 << 62
+    eos = [codec.special_id("eos_token_id")]
+    model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos += model_eos if isinstance(model_eos, list) else [model_eos]
+    ends = sorted({int(e) for e in eos if isinstance(e, int) and 0 <= e < vocab})
+    pad = codec.special_id("pad_token_id")
+    return ends, pad if pad is not None and 0 <= pad < vocab else (ends[0] if ends else 0)
+
+
+def completion_record(row: Row, index: int, prompt_tokens: int, tokens: Sequence[int], reason: str,
+                      stops: Sequence[str], codec: Codec) -> dict[str, Any]:
+    """A generate record from a row's completion cut at its end: the text cut before a stop string."""
+    text = codec.decode(tokens)
+    cut = min((p for p in (text.find(s) for s in stops) if p >= 0), default=-1)
+    if cut >= 0:
+        text, reason = text[:cut], "stop"
+    return {"id": row.id, "index": index, "text": text, "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(tokens), "finish_reason": reason}
+
+
+@dataclass
+class Chunk:
+    """Rows the queue hands a replica: their batch number, all its rows, those not written yet."""
+
+    number: int
+    rows: list[int]
+    missing: list[int]
+
+
 class BatchRunner:
-    """Runs one batch of rows (generate or score) on one replica: the model, the tokenizer and the
-    generation settings."""
+    """The batch engine: one batch of rows at a time through model.generate (or one forward: score),
+    for what the slot engine does not take (runtime/slots.py refusal) and for score mode."""
 
     def __init__(self, spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
-                 device: torch.device):
+                 device: torch.device, why: str | None = None):
         self.spec, self.model, self.codec, self.ids, self.rows, self.device = spec, model, codec, ids, rows, device
+        self.why = why
+        self.store_every_s = 0.0  # a stop raised by another replica is seen before the next batch
         if device.type == "cuda":
             # SDPA's cuDNN backend builds an execution plan for every new sequence length (tens of ms
             # each): batches sorted by length meet hundreds of them, the padded batches of an unsorted
             # loop few (benchmarks/infer_throughput.py measures both)
             torch.backends.cuda.enable_cudnn_sdp(False)
         inf = spec.infer
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        vocab = getattr(config, "vocab_size", None) or 1 << 62
-        eos = [codec.special_id("eos_token_id")]
-        model_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos += model_eos if isinstance(model_eos, list) else [model_eos]
-        # ids outside the vocabulary (GPT-2's default 50256 in a byte-level model) are no end of anything
-        self.eos = sorted({int(e) for e in eos if isinstance(e, int) and 0 <= e < vocab})
-        pad = codec.special_id("pad_token_id")
-        self.pad = pad if pad is not None and 0 <= pad < vocab else (self.eos[0] if self.eos else 0)
+        self.eos, self.pad = end_tokens(model, codec)
         if inf.mode == "generate":
             from transformers import GenerationConfig
 
@@ -327,6 +375,19 @@ class BatchRunner:
                 **cache, max_new_tokens=inf.max_new_tokens, min_new_tokens=0, num_beams=1, num_return_sequences=1,
                 repetition_penalty=1.0, no_repeat_ngram_size=0, pad_token_id=self.pad,
                 eos_token_id=self.eos or None, **sampling)
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "batches", "why": self.why}
+
+    def loop(self, take: Callable[[], Chunk | None], emit: Callable[[BatchResult], None],
+             stop: Callable[[], bool]) -> int:
+        """Runs the batches `take` hands out until there are none or `stop` says so; 0 rows held at the end."""
+        while not stop():
+            chunk = take()
+            if chunk is None:
+                break
+            emit(self.run(chunk.number, chunk.rows))
+        return 0
 
     def run(self, number: int, batch: list[int]) -> BatchResult:
         with torch.inference_mode():
@@ -357,13 +418,8 @@ class BatchRunner:
             n = len(tokens) if end is None else end
             if stop is not None and r in stop.done_at and stop.done_at[r] <= n:
                 n, reason = stop.done_at[r], "stop"
-            text = self.codec.decode(tokens[:n])
-            cut = min((p for p in (text.find(s) for s in inf.stop) if p >= 0), default=-1)
-            if cut >= 0:
-                text, reason = text[:cut], "stop"
             completion += n
-            records.append({"id": self.rows[i].id, "index": i, "text": text, "prompt_tokens": len(seqs[r]),
-                            "completion_tokens": n, "finish_reason": reason})
+            records.append(completion_record(self.rows[i], i, len(seqs[r]), tokens[:n], reason, inf.stop, self.codec))
         return BatchResult(records, sum(len(s) for s in seqs), completion)
 
     def score(self, batch: list[int]) -> BatchResult:
@@ -391,6 +447,78 @@ class BatchRunner:
         return BatchResult(records, sum(len(s) for s in seqs), 0)
 
 
+class SlotRunner:
+    """The slot engine (runtime/slots.py) behind the replica loop's interface: rows from the queue's
+    chunks into free slots, a record for each row as it ends."""
+
+    def __init__(self, spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
+                 device: torch.device, slots: int):
+        inf = spec.infer
+        self.codec, self.ids, self.rows, self.stops = codec, ids, rows, list(inf.stop)
+        self.store_every_s = STORE_EVERY_S
+        eos, pad = end_tokens(model, codec)
+        settings = slot_engine.EngineSettings(
+            slots=slots, width=slot_engine.cache_width(ids, inf.max_new_tokens), max_new_tokens=inf.max_new_tokens,
+            eos=eos, pad=pad, sampler=slot_engine.Sampler(inf.temperature, inf.top_k, inf.top_p), seed=inf.seed,
+            stop_at=stop_finder(inf.stop, codec) if inf.stop else None, refill=inf.refill)
+        self.engine = slot_engine.SlotEngine(model, device, ids, settings)
+
+    def describe(self) -> dict[str, Any]:
+        e = self.engine
+        return {"engine": "slots", "slots": e.s.slots, "width": e.s.width, "graphs": e.graph is not None,
+                "capture_s": round(e.capture_s, 3), "why": e.graphs_off_why}
+
+    def loop(self, take: Callable[[], Chunk | None], emit: Callable[[BatchResult], None],
+             stop: Callable[[], bool]) -> int:
+        def take_rows() -> list[int] | None:
+            chunk = take()
+            return None if chunk is None else chunk.missing
+
+        def emit_done(done: list[slot_engine.Done]) -> None:
+            if done:
+                emit(BatchResult([completion_record(self.rows[d.index], d.index, len(self.ids[d.index]), d.tokens,
+                                                    d.reason, self.stops, self.codec) for d in done],
+                                 sum(len(self.ids[d.index]) for d in done), sum(len(d.tokens) for d in done)))
+
+        with torch.inference_mode():
+            return self.engine.run(take_rows, emit_done, stop)
+
+
+def settle_engine(plan: RunPlan, why: str | None) -> str | None:
+    """A resumed sampled run keeps the engine it started with (each draws its own way: a switch would
+    mix two runs' samples); a greedy one takes this start's choice (the same tokens either way)."""
+    p = plan.inference
+    if not p.sampling or (p.engine == "slots") == (why is None):
+        return why
+    if p.engine == "batches":
+        return "the sampled run started on the batch engine"
+    raise HpcgpuError(f"infer.engine: this sampled run started on the slot engine, which this start cannot take "
+                      f"({why}); resume it as it started, or start a fresh run (submit --new)")
+
+
+def make_engine(spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
+                device: torch.device, batch: int, why: str | None) -> "BatchRunner | SlotRunner":
+    if why is not None:
+        log.info(f"engine: batches of {batch} through model.generate ({why})")
+        return BatchRunner(spec, model, codec, ids, rows, device, why)
+    runner = SlotRunner(spec, model, codec, ids, rows, device, batch)
+    e = runner.engine
+    log.info(f"engine: slots: {batch} slots of {e.s.width} tokens (the longest row, rounded up), "
+             f"{'decode steps as CUDA graphs of ' + str(e.steps) if device.type == 'cuda' else 'uncaptured on CPU'}"
+             f", refill {'on' if e.s.refill else 'off'}")
+    return runner
+
+
+def pick_engine(spec: Spec, model: Any, ids: list[list[int]]) -> str | None:
+    """Why this run takes the batch engine (None: the slot engine), as one clause for the log."""
+    inf = spec.infer
+    if inf.mode == "score":
+        return "score mode: one forward a batch"
+    if inf.engine == "batches":
+        return "infer.engine: batches"
+    return slot_engine.refusal(model, spec.model.quantization, slot_engine.cache_width(ids, inf.max_new_tokens))
+
+
 # ---------------------------------------------------------------- plan
 
 def settle_infer_plan(ctx: Context, spec: Spec, paths: RunPaths, digest: str) -> RunPlan | None:
@@ -413,7 +541,7 @@ def settle_infer_plan(ctx: Context, spec: Spec, paths: RunPaths, digest: str) ->
 
 
 def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str, ids: Sequence[list[int]],
-               digest: str, cap: MaxMemory) -> RunPlan:
+               digest: str, cap: MaxMemory, engine: str) -> RunPlan:
     inf = spec.infer
     max_tokens = max(len(s) for s in ids) + (inf.max_new_tokens if inf.mode == "generate" else 0)
     budget, per_row = None, None
@@ -423,7 +551,8 @@ def fresh_plan(ctx: Context, spec: Spec, model: Any, config: Any, precision: str
             budget = agreed_min(budget, ctx.device)  # the smallest card decides
             per_row = row_bytes(config, inf.mode, max_tokens, precision)
     plan = plan_infer(spec, ctx.world_size, device_type=ctx.device.type, precision=precision, rows=len(ids),
-                      max_tokens=max_tokens, input_digest=digest, budget_bytes=budget, bytes_per_row=per_row)
+                      max_tokens=max_tokens, input_digest=digest, budget_bytes=budget, bytes_per_row=per_row,
+                      engine=engine)
     (log.warning if plan.inference.fits is False else log.info)(f"run plan: {plan.summary()}; {plan.reason}")
     return plan
 
@@ -471,6 +600,12 @@ class WorkQueue:
 
     def stop_raised(self) -> bool:
         return self._add("stop", 0) > 0
+
+    def drop(self, rows: int) -> None:
+        self._add("dropped", rows)
+
+    def dropped(self) -> int:
+        return self._add("dropped", 0)
 
     def record(self, rows: int, prompt_tokens: int, completion_tokens: int, peak_bytes: int) -> None:
         for key, n in zip(self.TOTALS, (rows, prompt_tokens, completion_tokens)):
@@ -545,6 +680,7 @@ class ReplicaTimes:
     write_s: float = 0.0
     wait_s: float = 0.0
     loop_s: float = 0.0
+    started: float = 0.0  # perf_counter at the loop's start
     FIELDS = ("loop_s", "batches_s", "first_batch_s", "write_s", "wait_s")
 
     @contextlib.contextmanager
@@ -575,55 +711,102 @@ def describe_times(times: dict[str, list[float]]) -> str:
             f"s), writing {span('write_s')} s, waiting for the others {span('wait_s')} s")
 
 
-def infer_loop(ctx: Context, paths: RunPaths, engine: BatchRunner, batches: list[list[int]],
+def infer_loop(ctx: Context, paths: RunPaths, engine: Any, batches: list[list[int]],
                metrics: MetricsWriter, rows: Sequence[Row],
                times: ReplicaTimes | None = None) -> tuple[str, InferProgress]:
-    """This replica's share of the batches, taken from the queue until it is empty or a stop is
-    raised; returns ('finished' | 'stopped', progress). Collective: a barrier before the first batch
-    and one after the last. `times` gets where this replica's loop time went."""
+    """This replica's share of the rows: the engine (BatchRunner or SlotRunner) takes chunks from the
+    queue until it is empty or a stop is raised; returns ('finished' | 'stopped', progress).
+    Collective: a barrier before the first chunk and one after the last. `times` gets where this
+    replica's loop time went."""
     times = times if times is not None else ReplicaTimes()
     with times.timing("loop_s"):
         return _replica_loop(ctx, paths, engine, batches, metrics, rows, times)
 
 
-def _replica_loop(ctx: Context, paths: RunPaths, engine: BatchRunner, batches: list[list[int]],
+class Feed:
+    """The engine's side of the queue: the next chunk, and whether to stop (this replica's signal, or
+    another's flag in the store, read at most every `store_every_s`)."""
+
+    def __init__(self, ctx: Context, queue: WorkQueue, todo: list[tuple[int, list[int]]], done: set[int],
+                 store_every_s: float):
+        self.ctx, self.queue, self.todo, self.done, self.every = ctx, queue, todo, done, store_every_s
+        self.fresh, self.taken, self.read_at, self.raised = not done, 0, float("-inf"), False
+
+    def take(self) -> Chunk | None:
+        k = self.queue.take()
+        if k is None:
+            return None
+        self.taken += 1
+        inject_signal(self.ctx.spec, self.ctx.rank, self.taken, armed=self.fresh)  # a resumed start goes on
+        number, batch = self.todo[k]
+        return Chunk(number, batch, [i for i in batch if i not in self.done])
+
+    def stop(self) -> bool:
+        if self.ctx.stop_flag.is_set and not self.raised:  # this replica got the signal: the others follow
+            self.queue.raise_stop()
+            self.raised = True
+        now = time.perf_counter()
+        if not self.raised and now - self.read_at >= self.every:
+            self.read_at = now
+            self.raised = self.queue.stop_raised()
+        return self.raised
+
+
+class Sink:
+    """Where finished rows go: the replica file (rows already written skipped), the shared counters and
+    rank 0's progress line; written at once, or gathered for `every_s` (the slot engine ends rows
+    many times a second: one fsync and a few store round trips for all of them)."""
+
+    def __init__(self, ctx: Context, queue: WorkQueue, writer: outputs.ReplicaWriter, progress: InferProgress,
+                 done: set[int], times: ReplicaTimes, every_s: float):
+        self.ctx, self.queue, self.writer, self.progress, self.done = ctx, queue, writer, progress, done
+        self.times, self.every = times, every_s
+        self.records: list[dict[str, Any]] = []
+        self.prompt = self.completion = self.emitted = 0
+        self.flushed_at = time.perf_counter()
+
+    def emit(self, result: BatchResult) -> None:
+        if self.emitted == 0:
+            self.times.first_batch_s = time.perf_counter() - self.times.started - self.times.write_s
+        self.emitted += 1
+        # a batch partly written before (a kill -9 mid-write) is redone whole: only its missing rows are written
+        self.records += [r for r in result.records if r["index"] not in self.done]
+        self.prompt += result.prompt_tokens
+        self.completion += result.completion_tokens
+        if time.perf_counter() - self.flushed_at >= self.every or self.emitted == 1:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.times.timing("write_s"):
+            self.writer.write(self.records)
+            self.queue.record(len(self.records), self.prompt, self.completion, peak_memory(self.ctx.device))
+            self.records, self.prompt, self.completion = [], 0, 0
+            if self.ctx.is_main:
+                self.progress.update(self.queue.totals())
+                self.progress.maybe_log(self.emitted == 1, False)
+        self.flushed_at = time.perf_counter()
+
+
+def _replica_loop(ctx: Context, paths: RunPaths, engine: Any, batches: list[list[int]],
                   metrics: MetricsWriter, rows: Sequence[Row], times: ReplicaTimes) -> tuple[str, InferProgress]:
     done, todo = rows_to_do(ctx, paths, batches, metrics, rows)
-    fresh = not done
     progress = InferProgress(ctx, metrics, len(rows), len(done))
     queue = WorkQueue.for_job(len(todo), ctx.world_size, ctx.rank)
-    ran = 0
+    feed = Feed(ctx, queue, todo, done, engine.store_every_s)
     with outputs.ReplicaWriter(paths.replica_outputs(ctx.rank)) as writer:
-        while True:
-            if ctx.stop_flag.is_set:  # this replica got the signal: the others stop after their batch
-                queue.raise_stop()
-            if queue.stop_raised():
-                break
-            k = queue.take()
-            if k is None:
-                break
-            number, batch = todo[k]
-            with times.timing("batches_s"):
-                result = engine.run(number, batch)
-            if ran == 0:
-                times.first_batch_s = times.batches_s
-            ran += 1
-            # a batch partly written before (a kill -9 mid-write) is redone whole: only its missing
-            # rows are written
-            new = [r for r in result.records if r["index"] not in done]
-            with times.timing("write_s"):
-                writer.write(new)
-            queue.record(len(new), result.prompt_tokens, result.completion_tokens, peak_memory(ctx.device))
-            inject_signal(ctx.spec, ctx.rank, ran, armed=fresh)  # a resumed start goes on
-            if ctx.is_main:
-                progress.update(queue.totals())
-                progress.maybe_log(ran == 1, False)
+        sink = Sink(ctx, queue, writer, progress, done, times, engine.store_every_s)
+        times.started = time.perf_counter()
+        held = engine.loop(feed.take, sink.emit, feed.stop)
+        sink.flush()
+        times.batches_s = time.perf_counter() - times.started - times.write_s
+    if held:
+        queue.drop(held)  # rows a stop left unfinished: the run is not complete even if every chunk was taken
     with times.timing("wait_s"):
-        coordination_barrier(ctx.device)  # every replica is past its last batch
+        coordination_barrier(ctx.device)  # every replica is past its last chunk
     progress.update(queue.totals())
     progress.maybe_log(False, True)
-    # every batch taken ran to its end: a signal during the last ones stops nothing
-    return ("finished" if queue.taken() == len(todo) else "stopped"), progress
+    # every chunk taken ran to its end: a signal during the last ones stops nothing
+    return ("finished" if queue.taken() == len(todo) and queue.dropped() == 0 else "stopped"), progress
 
 
 def rows_to_do(ctx: Context, paths: RunPaths, batches: list[list[int]], metrics: MetricsWriter,
@@ -680,17 +863,19 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
         spec.model.dtype, ctx.device.type, ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     check_replica_fits(spec, config, precision, ctx.device, cap)
     model = load_model(ctx, spec, precision, cap, f"{len(rows)} rows from {source}")
+    why = pick_engine(spec, model, ids)
     if plan is None:
-        plan = fresh_plan(ctx, spec, model, config, precision, ids, digest, cap)
+        plan = fresh_plan(ctx, spec, model, config, precision, ids, digest, cap, "batches" if why else "slots")
+    why = settle_engine(plan, why)
     ctx.plan = plan
     record_plan(ctx, plan, paths)  # a barrier first: every rank has read the recorded plan (or none)
     if ctx.should_stop():
         return stop_infer(ctx, spec, metrics, len(outputs.done_rows(paths, rows)), "(stopped while starting)")
-    batches = make_batches([len(s) for s in ids], plan.inference.batch_size)
+    batches = make_batches([len(s) for s in ids], chunk_rows(plan.inference.batch_size, "batches" if why else "slots"))
     if ctx.is_main:
         outputs.repair_all(paths)
     ctx.barrier()  # no replica reads the replica files before they are whole
-    engine = BatchRunner(spec, model, codec, ids, rows, ctx.device)
+    engine = make_engine(spec, model, codec, ids, rows, ctx.device, plan.inference.batch_size, why)
     tracking = metrics.tracking
     if tracking is not None:
         tracking.start()  # plan.json is written; opened before the clock of rows/s starts
@@ -699,6 +884,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
                     on_sample=tracking.gpu_sample if tracking is not None and tracking.active else None):
         times = ReplicaTimes()
         outcome, progress = infer_loop(ctx, paths, engine, batches, metrics, rows, times)
+    metrics.write("engine", **engine.describe())
     if outcome == "stopped":
         return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")
     finish(ctx, paths, rows, metrics, progress, times.every_replica(ctx))  # collective: every replica's rows are on disk

@@ -1,0 +1,398 @@
+"""The slot engine of `task: infer` (generate): a static KV cache of N slots, a decode step for every
+slot at one fixed shape (captured once as a CUDA graph on a GPU), rows that refill free slots.
+
+Why this shape: with a dynamic cache a decode step costs ~20 ms of Python and kernel launches
+whatever the batch; the GPU's bound is a fraction of a millisecond. A cache allocated once (slots x
+width columns, width = the run's longest prompt + max_new_tokens, rounded up) gives every decode step
+the same shapes, so one CUDA graph replays SYNC_STEPS of them per launch, and the host looks at the
+tokens only between two replays. A row that ends (EOS, a stop string, max_new_tokens) frees its slot;
+the next rows are prefilled (uncaptured, left-padded, a few at a time) into the free slots, so a batch
+never waits for its longest row.
+
+Each slot holds its own row: its prompt's keys and values in columns [start, L) of the slot, its
+generated tokens after them. The decode step writes slot s's new key/value at its own column col[s]
+(an index_put, SlotLayer.update), and masks every column outside [start[s], col[s]] (a 4D mask: the
+model's own attention, sdpa or eager, no kernel of ours). Positions are passed per slot, so a row sees
+exactly what `model.generate` shows it row by row: the same greedy tokens (fp32, CPU: tests show it).
+
+Sampling draws each token with a Gumbel-max from a counter-based hash of (row seed, position, token
+id) (mix64): a row's text depends on infer.seed and the row, never on its slot, its neighbours or the
+replica count. temperature, top_k, top_p are applied as transformers' warpers do, in that order.
+
+Models the engine does not take (see refusal) run on the batch engine (tasks/infer.py BatchRunner).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger("hpcgpu")
+
+# architectures whose decode the tests check token for token against model.generate
+SLOT_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral")
+WIDTH_BUCKET = 64  # cache columns rounded up to this: aligned rows for the attention kernels
+PREFILL_TOKENS = 16384  # padded tokens of one prefill forward at most: bounds its activations
+SYNC_STEPS = {"cuda": 8, "cpu": 1}  # decode steps per replay between two looks from the host
+REFILL_SHARE = 8  # prefill once 1/8 of the slots are free (or none is running): fewer, fuller prefills
+INT64 = 1 << 64
+
+
+# ---------------------------------------------------------------- which models
+
+def refusal(model: Any, quantization: str, width: int) -> str | None:
+    """Why this model cannot take the slot engine (one short clause), or None."""
+    from transformers import cache_utils
+
+    config = model.config
+    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(devices) > 1:
+        return f"the model copy is split over {len(devices)} devices (accelerate's hooks)"
+    if quantization != "none":
+        return f"{quantization} weights (bitsandbytes)"
+    if not hasattr(cache_utils, "CacheLayerMixin"):
+        return "this transformers has no cache layer API (4.56 or newer has)"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    kind = getattr(config, "model_type", None)
+    if kind not in SLOT_MODEL_TYPES:
+        return f"model type {kind!r} is not one it was checked with ({', '.join(SLOT_MODEL_TYPES)})"
+    attn = getattr(config, "_attn_implementation", None) or "eager"
+    if attn not in ("sdpa", "eager"):
+        return f"attention {attn!r} takes no 4D mask"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < width:
+        return f"sliding-window attention ({window} tokens, shorter than the rows' {width})"
+    return None
+
+
+def cache_width(ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Columns of each slot: the longest prompt + max_new_tokens, rounded up to WIDTH_BUCKET."""
+    need = max(len(s) for s in ids) + max_new_tokens
+    return -(-need // WIDTH_BUCKET) * WIDTH_BUCKET
+
+
+# ---------------------------------------------------------------- sampling
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping products; logical shifts by masking)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * (0xBF58476D1CE4E5B9 - INT64)
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * (0x94D049BB133111EB - INT64)
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The sampling seed of one input row: from (infer.seed, row index) only, as a signed int64."""
+    value = int(mix64(torch.tensor([seed * 1_000_003 + index], dtype=torch.long))[0])
+    return value
+
+
+class Sampler:
+    """The next token of every row: greedy, or a Gumbel-max draw keyed by (row seed, position)."""
+
+    def __init__(self, temperature: float, top_k: int, top_p: float):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+
+    def __call__(self, logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.temperature <= 0:
+            return logits.argmax(dim=-1)
+        x = logits.float() / self.temperature
+        if self.top_k > 0:  # transformers' TopKLogitsWarper
+            kth = torch.topk(x, min(self.top_k, x.shape[-1])).values[:, -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:  # transformers' TopPLogitsWarper
+            sorted_x, order = torch.sort(x, descending=False)
+            remove = sorted_x.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_p)
+            remove[..., -1:] = False
+            x = x.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+        return (x + self.gumbel(seeds, positions, x.shape[-1])).argmax(dim=-1)
+
+    @staticmethod
+    def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+        base = mix64(seeds ^ (positions * (0x9E3779B97F4A7C15 - INT64)))
+        key = mix64(base[:, None] + torch.arange(vocab, device=seeds.device)[None, :])
+        u = (((key >> 40) & ((1 << 24) - 1)).float() + 0.5) * (1.0 / (1 << 24))
+        return -torch.log(-torch.log(u))
+
+
+# ---------------------------------------------------------------- the cache
+
+def slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], col: torch.Tensor) -> Any:
+    """transformers' Cache over our slot tensors: a decode step writes slot s at column col[s]."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    rows = torch.arange(keys[0].shape[0], device=keys[0].device)
+
+    class SlotLayer(CacheLayerMixin):
+        is_compileable = True
+        is_sliding = False
+
+        def __init__(self, k: torch.Tensor, v: torch.Tensor):
+            super().__init__()
+            self.keys, self.values, self.is_initialized = k, v, True
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            pass
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            self.keys[rows, :, col] = key_states[:, :, 0]
+            self.values[rows, :, col] = value_states[:, :, 0]
+            return self.keys, self.values
+
+        def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+            return self.keys.shape[2], 0
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            return 0  # positions come per slot, never from the cache
+
+        def get_max_length(self) -> int:
+            return self.keys.shape[2]
+
+        def get_max_cache_shape(self) -> int:
+            return self.keys.shape[2]
+
+    return Cache(layers=[SlotLayer(k, v) for k, v in zip(keys, values)])
+
+
+def dynamic_cache(config: Any) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # transformers < 4.56
+        return DynamicCache()
+
+
+def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+# ---------------------------------------------------------------- the engine
+
+@dataclass
+class Done:
+    """A finished row: its completion up to its end (an EOS not included) and why it ended."""
+
+    index: int
+    tokens: list[int]
+    reason: str  # "stop": an EOS or a stop string; "length": max_new_tokens
+
+
+@dataclass
+class EngineSettings:
+    slots: int
+    width: int
+    max_new_tokens: int
+    eos: Sequence[int]
+    pad: int
+    sampler: Sampler
+    seed: int
+    stop_at: Callable[[list[int], int], int | None] | None  # (tokens, checked before) -> count at a stop string
+    refill: bool = True
+
+
+class SlotEngine:
+    """Runs rows through N slots of one model copy; see the module docstring."""
+
+    def __init__(self, model: Any, device: torch.device, ids: Sequence[list[int]], settings: EngineSettings):
+        self.model, self.device, self.ids, self.s = model, device, ids, settings
+        n = settings.slots
+        self.steps = SYNC_STEPS.get(device.type, 1)
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.keep = ({"logits_to_keep": 1} if "logits_to_keep" in params else
+                     {"num_logits_to_keep": 1} if "num_logits_to_keep" in params else {})
+        limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        self.pos_cap = int(limit) - 1 if isinstance(limit, int) and limit > 0 else (1 << 62)
+        dtype = next(model.parameters()).dtype
+        long = dict(dtype=torch.long, device=device)
+        self.tokens, self.pos = torch.zeros(n, **long), torch.zeros(n, **long)
+        self.col = torch.full((n,), settings.width - 1, **long)
+        self.start = torch.full((n,), settings.width - 1, **long)
+        self.seeds = torch.zeros(n, **long)
+        self.cols = torch.arange(settings.width, device=device)[None, :]
+        self.hist = torch.zeros((n, self.steps), **long)
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
+        self.cache: Any = None
+        self.graph: Any = None
+        self.capture_s = 0.0
+        self.graphs_off_why: str | None = None if device.type == "cuda" else "not on a GPU"
+        self.row: list[int] = [-1] * n  # the input row each slot runs, -1: free
+        self.gen: list[list[int]] = [[] for _ in range(n)]
+
+    # ------------------------------------------------ the loop
+
+    def run(self, take: Callable[[], list[int] | None], emit: Callable[[list[Done]], None],
+            stop: Callable[[], bool]) -> int:
+        """Runs the rows `take` hands out (None: no more) until all are done (0) or `stop` says so: the
+        rows taken and not finished then (dropped: the caller redoes them on resume)."""
+        pending: deque[int] = deque()
+        more = True
+        while True:
+            if stop():
+                return sum(r >= 0 for r in self.row) + len(pending)
+            free = [s for s, r in enumerate(self.row) if r < 0]
+            live = len(self.row) - len(free)
+            if free and (live == 0 or (self.s.refill and len(free) >= max(1, len(self.row) // REFILL_SHARE))):
+                while more and len(pending) < len(free):
+                    rows = take()
+                    more = rows is not None
+                    pending.extend(rows or [])
+                pairs = [(s, pending.popleft()) for s in free[:len(pending)]]
+                if pairs:
+                    emit(self.prefill(pairs))
+                    live = sum(r >= 0 for r in self.row)
+            if live == 0:
+                if not more and not pending:
+                    return 0
+                continue
+            emit(self.advance(self.decode()))
+
+    def prefill(self, pairs: list[tuple[int, int]]) -> list[Done]:
+        """Prompts into their slots, in forwards of PREFILL_TOKENS padded tokens at most; each row's
+        first token comes from its prefill."""
+        pairs = sorted(pairs, key=lambda p: len(self.ids[p[1]]))
+        done: list[Done] = []
+        k = 0
+        while k < len(pairs):
+            g = k + 1
+            while g < len(pairs) and (g - k + 1) * len(self.ids[pairs[g][1]]) <= PREFILL_TOKENS:
+                g += 1
+            done += self._prefill_group(pairs[k:g])
+            k = g
+        return done
+
+    def _prefill_group(self, pairs: list[tuple[int, int]]) -> list[Done]:
+        seqs = [self.ids[i] for _, i in pairs]
+        width = max(len(x) for x in seqs)
+        input_ids = torch.full((len(seqs), width), self.s.pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, x in enumerate(seqs):  # left padding: every row's last prompt token in the last column
+            input_ids[r, width - len(x):] = torch.tensor(x, dtype=torch.long)
+            mask[r, width - len(x):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, mask, positions = input_ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        dyn = dynamic_cache(self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self.cache_kw: dyn}, **self.keep).logits[:, -1]
+        kv = cache_tensors(dyn)
+        if self.cache is None:
+            self._allocate(kv)
+        slots = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        for (keys, values), (k, v) in zip(self.cache_kv, kv):
+            keys[slots, :, :width] = k
+            values[slots, :, :width] = v
+        lengths = torch.tensor([len(x) for x in seqs], dtype=torch.long, device=self.device)
+        seeds = torch.tensor([row_seed(self.s.seed, i) for _, i in pairs], dtype=torch.long, device=self.device)
+        first = self.s.sampler(logits, seeds, lengths)
+        self.tokens[slots], self.pos[slots], self.seeds[slots] = first, lengths, seeds
+        self.col[slots] = width
+        self.start[slots] = width - lengths
+        for s, i in pairs:
+            self.row[s], self.gen[s] = i, []
+        return self.advance_slots([s for s, _ in pairs], [[t] for t in first.tolist()])
+
+    def _allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n, w = self.s.slots, self.s.width
+        self.cache_kv = [(torch.zeros((n, k.shape[1], w, k.shape[3]), dtype=k.dtype, device=self.device),
+                          torch.zeros((n, v.shape[1], w, v.shape[3]), dtype=v.dtype, device=self.device))
+                         for k, v in kv]
+        self.cache = slot_cache([k for k, _ in self.cache_kv], [v for _, v in self.cache_kv], self.col)
+
+    # ------------------------------------------------ decode
+
+    def _steps(self) -> None:
+        """SYNC_STEPS decode steps of every slot, each token also into hist (no host sync)."""
+        for i in range(self.steps):
+            valid = (self.cols >= self.start[:, None]) & (self.cols <= self.col[:, None])
+            mask = torch.where(valid, self.zero, self.neg)[:, None, None, :]
+            logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], attention_mask=mask,
+                                use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
+            nxt = self.s.sampler(logits, self.seeds, self.pos + 1)
+            self.hist[:, i] = nxt
+            self.tokens.copy_(nxt)
+            self.pos.add_(1).clamp_(max=self.pos_cap)
+            self.col.add_(1).clamp_(max=self.s.width - 1)
+
+    def decode(self) -> list[list[int]]:
+        if self.graph is None and self.graphs_off_why is None:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._steps()
+        return self.hist.tolist()
+
+    def _capture(self) -> None:
+        """One CUDA graph of SYNC_STEPS decode steps, after a warm-up on a side stream (the torch.cuda.graphs
+        recipe); the slots' state is put back after the warm-up. On failure: uncaptured steps, one line."""
+        t0 = time.perf_counter()
+        state = [t.clone() for t in (self.tokens, self.pos, self.col)]
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._steps()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._steps()
+            self.graph = graph
+            log.info(f"decode step captured: a CUDA graph of {self.steps} steps of {self.s.slots} slots in "
+                     f"{time.perf_counter() - t0:.1f}s")
+        except Exception as exc:  # a model whose forward syncs or allocates outside the graph's pool
+            first = next((x for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            self.graphs_off_why = f"CUDA graph capture failed ({first[:200]})"
+            log.warning(f"{self.graphs_off_why}: decode steps run uncaptured")
+        for t, saved in zip((self.tokens, self.pos, self.col), state):
+            t.copy_(saved)
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+
+    # ------------------------------------------------ ends of rows
+
+    def advance(self, hist: list[list[int]]) -> list[Done]:
+        live = [s for s, r in enumerate(self.row) if r >= 0]
+        return self.advance_slots(live, [hist[s] for s in live])
+
+    def advance_slots(self, slots: list[int], new: list[list[int]]) -> list[Done]:
+        """Appends each slot's new tokens; a row that reached its end is done and frees its slot."""
+        done = []
+        eos, limit = set(self.s.eos), self.s.max_new_tokens
+        for s, tokens in zip(slots, new):
+            gen = self.gen[s]
+            before = len(gen)
+            end = None
+            for t in tokens:
+                if t in eos:
+                    end = (len(gen), "stop")
+                    break
+                gen.append(t)
+                if len(gen) >= limit:
+                    end = (len(gen), "length")
+                    break
+            if self.s.stop_at is not None:
+                hit = self.s.stop_at(gen, before)
+                if hit is not None and (end is None or hit <= end[0]):
+                    end = (hit, "stop")
+            if end is not None:
+                done.append(Done(self.row[s], gen[:end[0]], end[1]))
+                self.free(s)
+        return done
+
+    def free(self, s: int) -> None:
+        self.row[s], self.gen[s] = -1, []
+        # a free slot attends to its last column only: no empty softmax, no position past the model's
+        self.start[s] = self.s.width - 1
+        self.col[s] = self.s.width - 1
+        self.pos[s] = 0
