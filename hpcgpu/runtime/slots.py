@@ -124,11 +124,14 @@ class Sampler:
 
 # ---------------------------------------------------------------- the cache
 
-def slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], col: torch.Tensor) -> Any:
-    """transformers' Cache over our slot tensors: a decode step writes slot s at column col[s]."""
+def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tensor) -> Any:
+    """transformers' Cache over our slot tensors, stored (slots, width, kv heads, head dim) so that a
+    decode step's write of slot s at column col[s] is one index_copy_ of rows; the model sees the
+    (slots, kv heads, width, head dim) view it expects."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
-    rows = torch.arange(keys[0].shape[0], device=keys[0].device)
+    n, width = storage[0][0].shape[:2]
+    flat_rows = torch.arange(n, device=col.device) * width
 
     class SlotLayer(CacheLayerMixin):
         is_compileable = True
@@ -136,30 +139,60 @@ def slot_cache(keys: list[torch.Tensor], values: list[torch.Tensor], col: torch.
 
         def __init__(self, k: torch.Tensor, v: torch.Tensor):
             super().__init__()
-            self.keys, self.values, self.is_initialized = k, v, True
+            self.flat_k, self.flat_v = k.view(n * width, *k.shape[2:]), v.view(n * width, *v.shape[2:])
+            self.keys, self.values, self.is_initialized = k.transpose(1, 2), v.transpose(1, 2), True
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             pass
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            self.keys[rows, :, col] = key_states[:, :, 0]
-            self.values[rows, :, col] = value_states[:, :, 0]
+            at = flat_rows + col
+            self.flat_k.index_copy_(0, at, key_states[:, :, 0])
+            self.flat_v.index_copy_(0, at, value_states[:, :, 0])
             return self.keys, self.values
 
         def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-            return self.keys.shape[2], 0
+            return width, 0
 
         def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
             return 0  # positions come per slot, never from the cache
 
         def get_max_length(self) -> int:
-            return self.keys.shape[2]
+            return width
 
         def get_max_cache_shape(self) -> int:
-            return self.keys.shape[2]
+            return width
 
-    return Cache(layers=[SlotLayer(k, v) for k, v in zip(keys, values)])
+    return Cache(layers=[SlotLayer(k, v) for k, v in storage])
+
+
+DECODE_ATTENTION = "hpcgpu_slots"
+
+
+def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """sdpa for one query token a slot, grouped-query attention without repeat_kv: a KV head's query
+    heads are g query rows against that head's keys (one read of the cache, not a copy per query
+    head). Anything else goes to transformers' own sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    n, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    grouped = query.reshape(n, kv_heads, heads // kv_heads, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.reshape(n, 1, heads, dim), None
+
+
+def register_decode_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 
 
 def dynamic_cache(config: Any) -> Any:
@@ -226,6 +259,7 @@ class SlotEngine:
         self.graph: Any = None
         self.capture_s = 0.0
         self.graphs_off_why: str | None = None if device.type == "cuda" else "not on a GPU"
+        register_decode_attention()
         self.row: list[int] = [-1] * n  # the input row each slot runs, -1: free
         self.gen: list[list[int]] = [[] for _ in range(n)]
 
@@ -289,8 +323,8 @@ class SlotEngine:
             self._allocate(kv)
         slots = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
         for (keys, values), (k, v) in zip(self.cache_kv, kv):
-            keys[slots, :, :width] = k
-            values[slots, :, :width] = v
+            keys[slots, :width] = k.transpose(1, 2)
+            values[slots, :width] = v.transpose(1, 2)
         lengths = torch.tensor([len(x) for x in seqs], dtype=torch.long, device=self.device)
         seeds = torch.tensor([row_seed(self.s.seed, i) for _, i in pairs], dtype=torch.long, device=self.device)
         first = self.s.sampler(logits, seeds, lengths)
@@ -303,15 +337,25 @@ class SlotEngine:
 
     def _allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         n, w = self.s.slots, self.s.width
-        self.cache_kv = [(torch.zeros((n, k.shape[1], w, k.shape[3]), dtype=k.dtype, device=self.device),
-                          torch.zeros((n, v.shape[1], w, v.shape[3]), dtype=v.dtype, device=self.device))
+        self.cache_kv = [(torch.zeros((n, w, k.shape[1], k.shape[3]), dtype=k.dtype, device=self.device),
+                          torch.zeros((n, w, v.shape[1], v.shape[3]), dtype=v.dtype, device=self.device))
                          for k, v in kv]
-        self.cache = slot_cache([k for k, _ in self.cache_kv], [v for _, v in self.cache_kv], self.col)
+        self.cache = slot_cache(self.cache_kv, self.col)
 
     # ------------------------------------------------ decode
 
     def _steps(self) -> None:
         """SYNC_STEPS decode steps of every slot, each token also into hist (no host sync)."""
+        config = self.model.config
+        plain = config._attn_implementation
+        if plain == "sdpa":
+            config._attn_implementation = DECODE_ATTENTION
+        try:
+            self._decode_steps()
+        finally:
+            config._attn_implementation = plain
+
+    def _decode_steps(self) -> None:
         for i in range(self.steps):
             valid = (self.cols >= self.start[:, None]) & (self.cols <= self.col[:, None])
             mask = torch.where(valid, self.zero, self.neg)[:, None, None, :]
