@@ -46,18 +46,9 @@ def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) 
         engine.run(lambda: todo.pop(0) if todo else None, emit, lambda: False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0 - engine.capture_s
-    # one replay alone: the step time at full slots
-    with torch.inference_mode():
-        for _ in range(3):
-            engine.decode()
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        for _ in range(10):
-            engine.decode()
-        torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t1) / (10 * engine.steps) * 1e3
+    step_ms = elapsed / max(1, engine.replays * engine.steps) * 1e3
     return {"slots": slots, "rows": len(ids), "tokens": tokens, "elapsed_s": round(elapsed, 2),
-            "tok_s": round(tokens / elapsed), "capture_s": round(engine.capture_s, 2), "graphs": engine.graph is not None,
+            "tok_s": round(tokens / elapsed), "capture_s": round(engine.capture_s, 2), "views": sorted(engine.graphs),
             "why": engine.graphs_off_why, "step_ms": round(step_ms, 3), "width": settings.width,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
 
@@ -96,10 +87,10 @@ def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) 
     engine.graphs_off_why = "profiled uncaptured"
     with torch.inference_mode():
         engine.emit = engine.prefill([(s, s) for s in range(slots)])
-        engine._steps()
+        engine._steps(settings.width)
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine._steps()
+            engine._steps(settings.width)
             torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 

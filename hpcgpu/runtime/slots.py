@@ -39,6 +39,7 @@ SLOT_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral")
 WIDTH_BUCKET = 64  # cache columns rounded up to this: aligned rows for the attention kernels
 PREFILL_TOKENS = 16384  # padded tokens of one prefill forward at most: bounds its activations
 SYNC_STEPS = {"cuda": 8, "cpu": 1}  # decode steps per replay between two looks from the host
+VIEWS = 8  # view widths captured at most
 REFILL_SHARE = 8  # prefill once 1/8 of the slots are free (or none is running): fewer, fuller prefills
 INT64 = 1 << 64
 
@@ -69,6 +70,14 @@ def refusal(model: Any, quantization: str, width: int) -> str | None:
     if window is not None and getattr(config, "use_sliding_window", True) and window < width:
         return f"sliding-window attention ({window} tokens, shorter than the rows' {width})"
     return None
+
+
+def view_widths(width: int) -> list[int]:
+    """The view widths decode steps are captured at (VIEWS of them at most, multiples of
+    WIDTH_BUCKET): rows taken longest first fill the slots with rows of like length, so most steps
+    read far fewer columns than the longest row needs."""
+    step = -(-width // (VIEWS * WIDTH_BUCKET)) * WIDTH_BUCKET
+    return sorted({min(width, k * step) for k in range(1, VIEWS + 1)})
 
 
 def cache_width(ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
@@ -124,10 +133,11 @@ class Sampler:
 
 # ---------------------------------------------------------------- the cache
 
-def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tensor) -> Any:
+def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tensor, view: dict[str, int]) -> Any:
     """transformers' Cache over our slot tensors, stored (slots, width, kv heads, head dim) so that a
     decode step's write of slot s at column col[s] is one index_copy_ of rows; the model sees the
-    (slots, kv heads, width, head dim) view it expects."""
+    (slots, kv heads, view["width"], head dim) view it expects: the first columns only, where every
+    running row fits (fewer bytes read a step)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     n, width = storage[0][0].shape[:2]
@@ -150,10 +160,11 @@ def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tens
             at = flat_rows + col
             self.flat_k.index_copy_(0, at, key_states[:, :, 0])
             self.flat_v.index_copy_(0, at, value_states[:, :, 0])
-            return self.keys, self.values
+            w = view["width"]
+            return self.keys[:, :, :w], self.values[:, :, :w]
 
         def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-            return width, 0
+            return view["width"], 0
 
         def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
             return 0  # positions come per slot, never from the cache
@@ -248,15 +259,20 @@ class SlotEngine:
         dtype = next(model.parameters()).dtype
         long = dict(dtype=torch.long, device=device)
         self.tokens, self.pos = torch.zeros(n, **long), torch.zeros(n, **long)
-        self.col = torch.full((n,), settings.width - 1, **long)
-        self.start = torch.full((n,), settings.width - 1, **long)
+        self.col = torch.zeros(n, **long)
+        self.start = torch.zeros(n, **long)
         self.seeds = torch.zeros(n, **long)
         self.cols = torch.arange(settings.width, device=device)[None, :]
         self.hist = torch.zeros((n, self.steps), **long)
         self.zero = torch.zeros((), dtype=dtype, device=device)
         self.neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         self.cache: Any = None
-        self.graph: Any = None
+        self.view = {"width": settings.width}
+        self.widths = view_widths(settings.width)
+        self.col_host = [0] * n  # col, as the host knows it for the running rows
+        self.graphs: dict[int, Any] = {}  # view width -> its captured steps
+        self.replays = 0  # decode calls: SYNC_STEPS steps each
+        self.pool: Any = None
         self.capture_s = 0.0
         self.graphs_off_why: str | None = None if device.type == "cuda" else "not on a GPU"
         register_decode_attention()
@@ -332,7 +348,7 @@ class SlotEngine:
         self.col[slots] = width
         self.start[slots] = width - lengths
         for s, i in pairs:
-            self.row[s], self.gen[s] = i, []
+            self.row[s], self.gen[s], self.col_host[s] = i, [], width
         return self.advance_slots([s for s, _ in pairs], [[t] for t in first.tolist()])
 
     def _allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -340,24 +356,27 @@ class SlotEngine:
         self.cache_kv = [(torch.zeros((n, w, k.shape[1], k.shape[3]), dtype=k.dtype, device=self.device),
                           torch.zeros((n, w, v.shape[1], v.shape[3]), dtype=v.dtype, device=self.device))
                          for k, v in kv]
-        self.cache = slot_cache(self.cache_kv, self.col)
+        self.cache = slot_cache(self.cache_kv, self.col, self.view)
 
     # ------------------------------------------------ decode
 
-    def _steps(self) -> None:
-        """SYNC_STEPS decode steps of every slot, each token also into hist (no host sync)."""
+    def _steps(self, width: int) -> None:
+        """SYNC_STEPS decode steps of every slot over the first `width` columns, each token also into
+        hist (no host sync)."""
+        self.view["width"] = width
         config = self.model.config
         plain = config._attn_implementation
         if plain == "sdpa":
             config._attn_implementation = DECODE_ATTENTION
         try:
-            self._decode_steps()
+            self._decode_steps(width)
         finally:
             config._attn_implementation = plain
 
-    def _decode_steps(self) -> None:
+    def _decode_steps(self, width: int) -> None:
+        cols = self.cols[:, :width]
         for i in range(self.steps):
-            valid = (self.cols >= self.start[:, None]) & (self.cols <= self.col[:, None])
+            valid = (cols >= self.start[:, None]) & (cols <= self.col[:, None])
             mask = torch.where(valid, self.zero, self.neg)[:, None, None, :]
             logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], attention_mask=mask,
                                 use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
@@ -365,20 +384,30 @@ class SlotEngine:
             self.hist[:, i] = nxt
             self.tokens.copy_(nxt)
             self.pos.add_(1).clamp_(max=self.pos_cap)
-            self.col.add_(1).clamp_(max=self.s.width - 1)
+            self.col.add_(1).clamp_(max=width - 1)
 
     def decode(self) -> list[list[int]]:
-        if self.graph is None and self.graphs_off_why is None:
-            self._capture()
-        if self.graph is not None:
-            self.graph.replay()
+        """SYNC_STEPS decode steps over the narrowest view every running row fits for them."""
+        live = [self.col_host[s] for s, r in enumerate(self.row) if r >= 0]
+        need = max(live, default=0) + self.steps
+        width = next((w for w in self.widths if w >= need), self.s.width)
+        for s, r in enumerate(self.row):
+            if r >= 0:
+                self.col_host[s] += self.steps
+        self.replays += 1
+        if width not in self.graphs and self.graphs_off_why is None:
+            self._capture(width)
+        graph = self.graphs.get(width)
+        if graph is not None:
+            graph.replay()
         else:
-            self._steps()
+            self._steps(width)
         return self.hist.tolist()
 
-    def _capture(self) -> None:
-        """One CUDA graph of SYNC_STEPS decode steps, after a warm-up on a side stream (the torch.cuda.graphs
-        recipe); the slots' state is put back after the warm-up. On failure: uncaptured steps, one line."""
+    def _capture(self, width: int) -> None:
+        """The CUDA graph of SYNC_STEPS decode steps at this view width, after a warm-up on a side
+        stream (the torch.cuda.graphs recipe), in one memory pool shared by the widths' graphs; the
+        slots' state is put back after the warm-up. On failure: uncaptured steps, one line."""
         t0 = time.perf_counter()
         state = [t.clone() for t in (self.tokens, self.pos, self.col)]
         try:
@@ -386,14 +415,15 @@ class SlotEngine:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._steps()
+                    self._steps(width)
             torch.cuda.current_stream().wait_stream(side)
+            for t, saved in zip((self.tokens, self.pos, self.col), state):
+                t.copy_(saved)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self._steps()
-            self.graph = graph
-            log.info(f"decode step captured: a CUDA graph of {self.steps} steps of {self.s.slots} slots in "
-                     f"{time.perf_counter() - t0:.1f}s")
+            self.pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._steps(width)
+            self.graphs[width] = graph
         except Exception as exc:  # a model whose forward syncs or allocates outside the graph's pool
             first = next((x for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
             self.graphs_off_why = f"CUDA graph capture failed ({first[:200]})"
@@ -401,7 +431,11 @@ class SlotEngine:
         for t, saved in zip((self.tokens, self.pos, self.col), state):
             t.copy_(saved)
         torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.capture_s += took
+        if width in self.graphs:
+            log.info(f"decode steps captured: a CUDA graph of {self.steps} steps of {self.s.slots} slots over "
+                     f"{width} of {self.s.width} columns in {took:.1f}s")
 
     # ------------------------------------------------ ends of rows
 
@@ -436,7 +470,8 @@ class SlotEngine:
 
     def free(self, s: int) -> None:
         self.row[s], self.gen[s] = -1, []
-        # a free slot attends to its last column only: no empty softmax, no position past the model's
-        self.start[s] = self.s.width - 1
-        self.col[s] = self.s.width - 1
+        # a free slot attends to its first column only: no empty softmax, no position past the model's
+        self.start[s] = 0
+        self.col[s] = 0
         self.pos[s] = 0
+        self.col_host[s] = 0

@@ -465,8 +465,8 @@ class SlotRunner:
 
     def describe(self) -> dict[str, Any]:
         e = self.engine
-        return {"engine": "slots", "slots": e.s.slots, "width": e.s.width, "graphs": e.graph is not None,
-                "capture_s": round(e.capture_s, 3), "why": e.graphs_off_why}
+        return {"engine": "slots", "slots": e.s.slots, "width": e.s.width, "graphs": bool(e.graphs),
+                "views": sorted(e.graphs), "capture_s": round(e.capture_s, 3), "why": e.graphs_off_why}
 
     def loop(self, take: Callable[[], Chunk | None], emit: Callable[[BatchResult], None],
              stop: Callable[[], bool]) -> int:
