@@ -11,10 +11,35 @@
 #            hand-written loops, 1 and 2 GPUs; 1,2,4 where 4+), pooled over calls in /tmp/tvl: run the
 #            phase 3 times on one warm machine for median and spread
 #   steps NAME...: named pieces, in the order given, each skipped once less than its estimate is left of
-#            the call's $CALL_BUDGET seconds (default 570): infer-throughput (3 rounds, plain vs hpcgpu,
-#            768 rows), infer-scaling (SCALING_ROUNDS rounds of SCALING_ROWS rows at SCALING_GPUS replica
-#            counts, default 1,2[,4], pooled over calls in /tmp/ib; a round ~ rows x sum(1/width) / 34 s
-#            of loops + ~22 s a process on H100s), infer-tests,
+#            the call's $CALL_BUDGET seconds (default 570): infer-throughput (issue #14's: 3 rounds, plain
+#            vs hpcgpu, gpt2-350m, 768 rows),
+#            issue #32's inference steps (benchmarks/infer_throughput.py; each stops starting measurements
+#            once the call's budget would run out (--deadline) and prints what it has; rounds pooled over
+#            calls in /tmp/ib/*.json with --rounds-total, so the same step in the next call completes
+#            them, and a finished step costs only its printout (~15 s); output in $OUT/infer_<step>.{log,json}):
+#              infer-headline  llama-400m, 8..510-token prompts, batch 64, 128 new tokens:
+#                              $HEADLINE_VARIANTS (default plain, hf static, hf continuous, hpcgpu,
+#                              hpcgpu auto) to $HEADLINE_ROUNDS measurements each (default 3, hf
+#                              continuous 1: the issue measured it below plain), $HEADLINE_ROWS base rows
+#                              (default 384: ~25 s of the plain loop at ~2,000 tok/s), the fast ones
+#                              with $HEADLINE_SCALE x the rows (more rows drawn alike; --adapt raises a
+#                              scale whose loop came out under 20 s). ~3.5-4 min a round on an H200
+#                              (each process ~12-40 s of start-up, hf static's compile ~30-60 s), so 3
+#                              rounds take ~2 calls
+#              infer-extras    hpcgpu batches (the previous engine) and hpcgpu norefill, $EXTRA_ROUNDS
+#                              (default 1) each, pooled with the headline (one report): ~2 min
+#              infer-skewed    prompts 8..128, 512 new tokens, $STOP_SHARE (default 1/3) of the rows
+#                              ending early on a calibrated stop string: hpcgpu vs hpcgpu norefill,
+#                              $SKEWED_ROUNDS rounds (default 3), $SKEWED_ROWS rows (default 512) x
+#                              $SKEWED_SCALE; ~30 s of calibration once, then ~2-2.5 min a round
+#              infer-gpt2      gpt2-350m, issue #14's workload, $GPT2_VARIANTS (default plain, hpcgpu,
+#                              hpcgpu auto), $GPT2_ROUNDS (default 1) rounds of $GPT2_ROWS (512) rows:
+#                              ~2.5 min a round
+#            infer-scaling (SCALING_ROUNDS rounds of SCALING_ROWS rows (default 4096) of $SCALING_MODEL
+#            (default llama-400m) at SCALING_GPUS replica counts, default 1,2[,4], batch 64 per replica,
+#            the spec's default engine (slots; SCALING_ENGINE=batches: the previous one), pooled over
+#            calls in /tmp/ib; a round ~ rows x sum(1/width) / $SCALING_RATE (rows/s of one replica,
+#            default 90) of loops + ~45 s a process), infer-tests,
 #            observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round ($TRAIN_ROUNDS train_vs_loops rounds, default 1, of $TRAIN_PROGRAMS
 #            (default all three; "minimal,hpcgpu" is enough for the 1-GPU side of the scaling); the deadline stops
@@ -67,17 +92,40 @@ mfu_round() {  # mfu_round MODEL VARIANTS [train_vs_loops flags...]: one interle
     --json "$OUT/mfu_$model.json" --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 \
     | tee "$OUT/mfu_$model.log" | tail -25
 }
+infer32() {  # infer32 NAME [infer_throughput flags...]: one of issue #32's steps, its deadline the call's budget left
+  local name="$1"; shift
+  mkdir -p /tmp/ib
+  # shellcheck disable=SC2086  # INFER_FLAGS: more flags for every step (--bandwidth-tbs 3.35; --smoke: a CPU check)
+  step python3 benchmarks/infer_throughput.py "$@" ${INFER_FLAGS:-} --work /tmp/ib --json "$OUT/infer_$name.json" \
+    --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 15 )) 2>&1 | tee -a "$OUT/infer_$name.log" \
+    | grep -v "^\[infer_throughput\] round" | tail -60
+}
 pytest_gpu() { python3 -m pytest -q -s -p no:cacheprovider -rs "$@" 2>&1 | grep -vE "Warning|warn\(" ; }
 run_step() {
   local widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
   case "$1" in
-    infer-throughput) fits 330 && step python3 benchmarks/infer_throughput.py --variants "plain,hpcgpu" --rows 768 \
-        --repeats 3 --work /tmp/ib --json "$OUT/infer_throughput.json" 2>&1 | tee "$OUT/infer_throughput.log" | tail -25 ;;
+    infer-throughput) fits 330 && step python3 benchmarks/infer_throughput.py --model gpt2-350m --variants "plain,hpcgpu" \
+        --rows 768 --repeats 3 --work /tmp/ib --json "$OUT/infer_throughput.json" 2>&1 | tee "$OUT/infer_throughput.log" | tail -25 ;;
+    infer-headline) fits 100 && infer32 headline --model llama-400m --rows "${HEADLINE_ROWS:-384}" \
+        --variants "${HEADLINE_VARIANTS:-plain,hf static,hf continuous,hpcgpu,hpcgpu auto}" \
+        --scale "${HEADLINE_SCALE:-hf static=5,hpcgpu=6,hpcgpu auto=20}" \
+        --rounds-total "${HEADLINE_ROUNDS:-3,hf continuous=1}" --append /tmp/ib/headline.json ;;
+    infer-extras) fits 100 && infer32 extras --model llama-400m --rows "${HEADLINE_ROWS:-384}" \
+        --variants "hpcgpu batches,hpcgpu norefill" --scale "${EXTRA_SCALE:-hpcgpu norefill=6}" \
+        --rounds-total "${EXTRA_ROUNDS:-1}" --append /tmp/ib/headline.json ;;
+    infer-skewed) fits 120 && infer32 skewed --model llama-400m --workload skewed --rows "${SKEWED_ROWS:-512}" \
+        --variants "${SKEWED_VARIANTS:-hpcgpu,hpcgpu norefill}" --scale "${SKEWED_SCALE:-hpcgpu=2,hpcgpu norefill=2}" \
+        --stop-share "${STOP_SHARE:-0.3333}" --rounds-total "${SKEWED_ROUNDS:-3}" --append /tmp/ib/skewed.json ;;
+    infer-gpt2) fits 100 && infer32 gpt2 --model gpt2-350m --rows "${GPT2_ROWS:-512}" \
+        --variants "${GPT2_VARIANTS:-plain,hpcgpu,hpcgpu auto}" --scale "${GPT2_SCALE:-hpcgpu=4,hpcgpu auto=12}" \
+        --rounds-total "${GPT2_ROUNDS:-1}" --append /tmp/ib/gpt2.json ;;
     infer-scaling) local sw="${SCALING_GPUS:-$widths}"
-      fits $(( ${SCALING_ROUNDS:-1} * (${SCALING_ROWS:-2304} * $(inv_sum "$sw") / 34000 + 22 * $(tr , ' ' <<<"$sw" | wc -w)) )) \
-      && step python3 benchmarks/infer_throughput.py --scaling \
-        --gpus "$sw" --scaling-rows "${SCALING_ROWS:-2304}" --repeats "${SCALING_ROUNDS:-1}" --work /tmp/ib \
-        --append /tmp/ib/scaling.json --json "$OUT/infer_scaling.json" 2>&1 | tee -a "$OUT/infer_scaling.log" | tail -12 ;;
+      fits $(( ${SCALING_ROUNDS:-1} * (${SCALING_ROWS:-4096} * $(inv_sum "$sw") / (${SCALING_RATE:-90} * 1000) \
+        + 45 * $(tr , ' ' <<<"$sw" | wc -w)) )) \
+      && step python3 benchmarks/infer_throughput.py --scaling --model "${SCALING_MODEL:-llama-400m}" \
+        ${SCALING_ENGINE:+--engine "$SCALING_ENGINE"} --gpus "$sw" --scaling-rows "${SCALING_ROWS:-4096}" \
+        --repeats "${SCALING_ROUNDS:-1}" --work /tmp/ib --append "/tmp/ib/scaling-${SCALING_MODEL:-llama-400m}.json" \
+        --json "$OUT/infer_scaling.json" 2>&1 | tee -a "$OUT/infer_scaling.log" | tail -12 ;;
     infer-tests) fits 120 && pytest_gpu tests/gpu/test_gpu_infer.py -k "two_replicas or split" \
         | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
     observe-tests) fits 90 && pytest_gpu tests/gpu/test_gpu_observe.py | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
@@ -102,7 +150,7 @@ run_step() {
         --programs hpcgpu --hpcgpu-variants "old@.ab/old" --repeats "${AB_ROUNDS:-1}" --work /tmp/tvl-ab \
         --append /tmp/tvl-ab/rounds.json --json "$OUT/ab_train.json" \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/ab_train.log" | tail -30 ;;
-    ab-infer) fits 330 && step python3 benchmarks/infer_throughput.py --variants "hpcgpu,hpcgpu old" --old-checkout .ab/old \
+    ab-infer) fits 330 && step python3 benchmarks/infer_throughput.py --model gpt2-350m --variants "hpcgpu,hpcgpu old" --old-checkout .ab/old \
         --rows 768 --repeats 3 --work /tmp/ib-ab --json "$OUT/ab_infer.json" 2>&1 | tee "$OUT/ab_infer.log" | tail -25 ;;
     mfu) run_step mfu-gpt2; run_step mfu-llama ;;
     mfu-gpt2) fits 300 && mfu_round gpt2-124m "${MFU_VARIANTS_GPT2-$MFU_GPT2_DEFAULT}" ;;
@@ -118,12 +166,12 @@ if [ "$phase" = steps ]; then
 fi
 if [ "$phase" = infer ] && [ "${INFER_SCALING:-0}" = 1 ]; then
   widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
-  step python3 benchmarks/infer_throughput.py --scaling --gpus "$widths" --scaling-rows 1536 --repeats 3 --work /tmp/ib \
+  step python3 benchmarks/infer_throughput.py --model gpt2-350m --scaling --gpus "$widths" --scaling-rows 1536 --repeats 3 --work /tmp/ib \
     2>&1 | tee "$OUT/infer_scaling.log" | tail -12
 elif [ "$phase" = infer ]; then
   [ -f /tmp/ib/.tested ] || { step python3 -m pytest tests/gpu/test_gpu_infer.py -q -s -p no:cacheprovider -rs 2>&1 | grep -vE "Warning|warn\(" \
     | tee "$OUT/gpu_infer_tests.log" | tail -30; mkdir -p /tmp/ib && touch /tmp/ib/.tested; }
-  step python3 benchmarks/infer_throughput.py --variants "plain,plain sorted nocudnn,hpcgpu" --rows 768 --repeats 1 \
+  step python3 benchmarks/infer_throughput.py --model gpt2-350m --variants "plain,plain sorted nocudnn,hpcgpu" --rows 768 --repeats 1 \
     --work /tmp/ib --append /tmp/ib/rounds.json 2>&1 | tee "$OUT/infer_throughput.log" | tail -25
 elif [ "$phase" = train ]; then
   gpus="${BENCH_GPUS:-1,2}"; [ "$ngpu" -ge 4 ] && gpus="${BENCH_GPUS:-1,2,4}"

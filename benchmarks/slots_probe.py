@@ -33,7 +33,9 @@ def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
                                   sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
-    todo = [list(range(i, min(i + max(1, slots // 4), len(ids)))) for i in range(0, len(ids), max(1, slots // 4))]
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest first, as the task takes them
+    chunk = max(1, slots // 4)
+    todo = [order[i:i + chunk] for i in range(0, len(order), chunk)]
     tokens = 0
 
     def emit(done: list) -> None:

@@ -127,18 +127,18 @@ def ok(result: tuple[int, str], code: int = 0) -> str:
 CRASHING_REPLICA = """
 import os
 if os.environ.get("SLURM_PROCID") == "1" and os.environ.get("HPCGPU_LAUNCHER"):
-    from hpcgpu.runtime.tasks import infer
+    from hpcgpu.runtime import slots
 
-    run = infer.BatchRunner.run
+    prefill = slots.SlotEngine.prefill
     ran = []
 
-    def failing_run(self, number, batch):
-        ran.append(number)
+    def failing_prefill(self, pairs):
+        ran.append(pairs)
         if len(ran) == 2:
             raise RuntimeError("replica 1 fails on purpose")
-        return run(self, number, batch)
+        return prefill(self, pairs)
 
-    infer.BatchRunner.run = failing_run
+    slots.SlotEngine.prefill = failing_prefill
 """
 
 
@@ -191,7 +191,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     specs["truncated"]["model"].pop("config")
     folders = {key: tmp_path_factory.mktemp(key) for key in specs}
     paths = {key: write_spec_file(folders[key], spec) for key, spec in specs.items()}
-    signal_at = {"stopA": "2:1", "stopB": "3:0"}
+    signal_at = {"stopA": "6:1", "stopB": "6:0"}
     jobs = {key: start(paths[key], env=job_env(HPCGPU_SIGNAL_AT=signal_at[key]) if key in signal_at else None)
             for key in specs}
     results = finish(jobs)
@@ -256,8 +256,9 @@ def test_plan_progress_and_metrics_are_recorded(greedy2: Path) -> None:
     plan = RunPlan.from_json((greedy2 / "plan.json").read_text())
     p = plan.inference
     assert (plan.task, plan.world_size, plan.precision) == ("infer", 2, "fp32")
-    assert (p.mode, p.replicas, p.batch_size, p.rows, p.batches, p.max_new_tokens, p.sampling) == (
-        "generate", 2, BATCH, ROWS, ROWS // BATCH, 8, False)
+    # the slot engine: BATCH slots a replica, the queue's chunks a quarter of them
+    assert (p.mode, p.replicas, p.batch_size, p.rows, p.batches, p.max_new_tokens, p.sampling, p.engine) == (
+        "generate", 2, BATCH, ROWS, ROWS // max(1, BATCH // 4), 8, False, "slots")
     log0 = (greedy2 / "logs" / "rank-0.log").read_text()
     assert "run plan: generate (greedy, max_new_tokens 8), 2 replica(s)" in log0
     assert f"rows {ROWS}/{ROWS} (100.0%)" in log0 and "rows/s" in log0 and "ETA" in log0
@@ -284,13 +285,14 @@ def test_stopped_and_resumed_after_a_kill_mid_write_gives_the_uninterrupted_outp
     ok(world["results"]["stopA"], 75)
     run = run_dir(world["folders"]["stopA"], "greedy")
     (stop,) = records(run, "stop")
-    # replica 1 got the signal after its 2nd batch and took no more; replica 0 saw its stop flag
-    # before taking its next batch: whole batches, fewer than all
-    assert stop["reason"] == "interrupted" and stop["rows"] % BATCH == 0 and 3 * BATCH <= stop["rows"] < ROWS
+    # replica 1 got the signal as it took its 6th chunk and stopped at its next step; replica 0 saw
+    # its stop flag: every row they finished is written, the rows in their slots are not
+    assert stop["reason"] == "interrupted" and 2 <= stop["rows"] < ROWS
     assert not (run / "outputs.jsonl").exists() and not (run / "FINISHED").exists()
     # a kill -9 in the middle of writing: the last row of replica 1's last batch is cut in half
     replica1 = run / "outputs" / "replica-1.jsonl"
     data = replica1.read_bytes()
+    assert data  # replica 1 finished rows before its stop
     last = data.rstrip(b"\n").rfind(b"\n") + 1
     replica1.write_bytes(data[: last + (len(data) - last) // 2])
 

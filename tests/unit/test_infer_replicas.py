@@ -141,10 +141,16 @@ def test_the_placement_line_gives_layers_as_ranges() -> None:
 # ---------------------------------------------------------------- the loop's stop, one rank in-process
 
 class StopAt:
-    """An engine whose batches give one row each; sets the stop flag while running batch `at`."""
+    """An engine whose batches give one row each; sets the stop flag while running batch `at`. It runs
+    the batch engine's loop (BatchRunner.loop): the queue, the stop checks, the sink are the job's."""
+
+    store_every_s = 0.0
 
     def __init__(self, ctx, at: int | None):
+        from hpcgpu.runtime.tasks.infer import BatchRunner
+
         self.ctx, self.at, self.ran = ctx, at, 0
+        self.loop = BatchRunner.loop.__get__(self)
 
     def run(self, number: int, batch: list[int]):
         from hpcgpu.runtime.tasks.infer import BatchResult
