@@ -631,7 +631,8 @@ def ratio(results: dict[str, list[dict[str, Any]]], num: str, den: str, scale: f
           key: str = "tokens_per_s") -> dict[str, Any] | None:
     """Ratio of the medians of `key` (the denominator times `scale`), and the range of the per-round
     ratios (the two measurements of the same round)."""
-    a, b = results.get(num) or [], results.get(den) or []
+    # a measurement that generated nothing (a broken run) is no denominator
+    a, b = results.get(num) or [], [y for y in results.get(den) or [] if y.get(key)]
     if not a or not b:
         return None
     by_round = {y["round"]: y for y in b}
