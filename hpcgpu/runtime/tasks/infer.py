@@ -499,7 +499,7 @@ def settle_engine(plan: RunPlan, why: str | None) -> str | None:
 def make_engine(spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows: Sequence[Row],
                 device: torch.device, batch: int, why: str | None) -> "BatchRunner | SlotRunner":
     if why is not None:
-        log.info(f"engine: batches of {batch} through model.generate ({why})")
+        log.info(f"engine: batches of {batch} ({why})")
         return BatchRunner(spec, model, codec, ids, rows, device, why)
     runner = SlotRunner(spec, model, codec, ids, rows, device, batch)
     e = runner.engine
