@@ -351,6 +351,19 @@ class SlotEngine:
             self.row[s], self.gen[s], self.col_host[s] = i, [], width
         return self.advance_slots([s for s, _ in pairs], [[t] for t in first.tolist()])
 
+    def prepare(self) -> None:
+        """Before the loop: the cache allocated (its shapes from a one-token forward) and, on a GPU,
+        every view width's decode steps captured, so that the start pays the capture once and the
+        loop's time is decoding alone."""
+        with torch.inference_mode():
+            dyn = dynamic_cache(self.model.config)
+            one = torch.full((1, 1), self.s.pad, dtype=torch.long, device=self.device)
+            self.model(input_ids=one, use_cache=True, **{self.cache_kw: dyn}, **self.keep)
+            self._allocate(cache_tensors(dyn))
+            for width in self.widths:
+                if self.graphs_off_why is None:
+                    self._capture(width)
+
     def _allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         n, w = self.s.slots, self.s.width
         self.cache_kv = [(torch.zeros((n, w, k.shape[1], k.shape[3]), dtype=k.dtype, device=self.device),
@@ -434,8 +447,8 @@ class SlotEngine:
         took = time.perf_counter() - t0
         self.capture_s += took
         if width in self.graphs:
-            log.info(f"decode steps captured: a CUDA graph of {self.steps} steps of {self.s.slots} slots over "
-                     f"{width} of {self.s.width} columns in {took:.1f}s")
+            log.debug(f"decode steps captured: a CUDA graph of {self.steps} steps of {self.s.slots} slots over "
+                      f"{width} of {self.s.width} columns in {took:.1f}s")
 
     # ------------------------------------------------ ends of rows
 

@@ -149,3 +149,15 @@ def test_models_the_slot_engine_does_not_take_run_on_batches(tmp_path: Path) -> 
                                                                 ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16))
     assert "model type 'opt'" in pick_engine(spec(), opt, ids)
     json.dumps(pick_engine(spec(), opt, ids))
+
+
+def test_the_jobs_engine_prepared_before_the_loop_gives_the_same_rows() -> None:
+    from hpcgpu.runtime.tasks.infer import make_engine
+
+    rows, ids = rows_and_ids()
+    model = tiny_model("llama", 7)
+    codec = Codec(ByteTokenizer(), "tiny")
+    lazy = run(SlotRunner(spec(), model, codec, ids, rows, torch.device("cpu"), slots=5), ids)
+    prepared = make_engine(spec(), model, codec, ids, rows, torch.device("cpu"), 5, None)
+    assert prepared.engine.cache is not None  # allocated at start-up, before any row
+    assert run(prepared, ids) == lazy

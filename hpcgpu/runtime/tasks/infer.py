@@ -503,9 +503,11 @@ def make_engine(spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows
         return BatchRunner(spec, model, codec, ids, rows, device, why)
     runner = SlotRunner(spec, model, codec, ids, rows, device, batch)
     e = runner.engine
-    log.info(f"engine: slots: {batch} slots of {e.s.width} tokens (the longest row, rounded up), "
-             f"{'decode steps as CUDA graphs of ' + str(e.steps) if device.type == 'cuda' else 'uncaptured on CPU'}"
-             f", refill {'on' if e.s.refill else 'off'}")
+    e.prepare()
+    graphs = (f"decode steps as CUDA graphs of {e.steps} at {len(e.graphs)} view widths, captured in "
+              f"{e.capture_s:.1f}s" if e.graphs else f"decode steps uncaptured ({e.graphs_off_why})")
+    log.info(f"engine: slots: {batch} slots of {e.s.width} tokens (the longest row, rounded up), {graphs}, "
+             f"refill {'on' if e.s.refill else 'off'}")
     return runner
 
 
