@@ -160,6 +160,14 @@ def main(argv: list[str]) -> int:
             gen_tokens += n
             out.write(json.dumps({"id": row.get("id"), "index": i, "text": text, "prompt_tokens": len(inputs[i]),
                                   "completion_tokens": n}) + "\n")
+    if outputs and all_tokens == 0:
+        # seen with transformers 5.17 on an H200: every request back "finished" at once with nothing
+        # generated (a failed request); no figure, the reason instead
+        first = outputs[0]
+        why = {k: str(getattr(first, k, None)) for k in ("status", "error", "request_id")}
+        print(f"continuous batching generated no token for {len(outputs)} rows ({how}): {json.dumps(why)}",
+              file=sys.stderr)
+        return 4
     prompt_tokens = sum(len(x) for x in inputs)
     print(json.dumps({"rows": len(rows), "tokens": gen_tokens, "generated_tokens": all_tokens,
                       "prompt_tokens": prompt_tokens, "padded_prompt_tokens": prompt_tokens, "elapsed_s": elapsed,
