@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from hpcgpu.contract import COMPLETE_MARKER, ENV_KILL_IN_CHECKPOINT, PLAN_FILE
+from hpcgpu.runtime.dist import new_gloo_group
 
 log = logging.getLogger("hpcgpu")
 
@@ -103,7 +104,7 @@ def _cpu_group() -> Any:
     if not _dist_on():
         return None
     if _CPU_GROUP is None:
-        _CPU_GROUP = dist.new_group(backend="gloo")
+        _CPU_GROUP = new_gloo_group()
     return _CPU_GROUP
 
 

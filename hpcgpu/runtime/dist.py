@@ -55,8 +55,9 @@ def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, al
         kwargs["store"] = dist.HashStore()  # no rendezvous, no port to collide with another job
     else:
         kwargs["init_method"] = "env://"
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    global _TIMEOUT
+    _TIMEOUT = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=_TIMEOUT, **kwargs)
     log.debug("process group %s: rank %d/%d via %s:%s", backend, env.rank, env.world_size,
               env.master_addr, env.master_port)
 
@@ -67,6 +68,14 @@ def destroy_process_group() -> None:
 
 
 _COORDINATION: Any = None
+_TIMEOUT = datetime.timedelta(seconds=DEFAULT_PG_TIMEOUT_S)  # the job's, set with its process group
+
+
+def new_gloo_group() -> Any:
+    """A gloo group of all ranks (collective) under the job's timeout (distributed.nccl.timeout_s):
+    torch's own default for a new gloo group is 30 minutes, which held a job whose rank stalled in a
+    checkpoint save for that long."""
+    return dist.new_group(backend="gloo", timeout=_TIMEOUT)
 
 
 def coordination_group(device: torch.device) -> Any:
@@ -80,7 +89,7 @@ def coordination_group(device: torch.device) -> Any:
     if device.type != "cuda":
         return dist.group.WORLD
     if _COORDINATION is None:
-        _COORDINATION = dist.new_group(backend="gloo")
+        _COORDINATION = new_gloo_group()
     return _COORDINATION
 
 
