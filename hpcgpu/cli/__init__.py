@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("hpcgpu.cli.estimate:estimate_cmd", "GPU memory per rank for a spec under each strategy; what fits."),
     "report": ("hpcgpu.cli.report:report", "PNG and summary of a run: loss, tokens/s, GPU utilization/memory/power."),
     "data": ("hpcgpu.cli.data:data", "Tokenize training data once into memory-mapped prepared datasets."),
+    "registry": ("hpcgpu.cli.registry:registry", "The job registry: rebuild its rows from run dirs."),
 }
 
 

@@ -40,6 +40,8 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     # what the job would fail on after its wait in the queue, found here (one line, exit 2)
     resolved = read_resolved(spec_file, overrides, gpus, nodes, sweeps, submit_use(executor, dry_run), say)
     spec_ref = str(Path(spec_file).resolve())
+    if not dry_run:
+        Registry().check()  # a damaged or unwritable registry stops here, before any job exists
     if executor == "local":
         return run_here(resolved, spec_ref, dry_run, fresh, ignore_busy)
     return submit_slurm(resolved, spec_ref, dry_run, wait)

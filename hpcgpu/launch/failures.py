@@ -50,7 +50,7 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
         if failure is None:
             return {}, ""  # the executor's own reason ("exit code N") stays
         lines = tail_lines(log_files(job, task, failure.rank)[0])
-        return _described(replace(failure, message=failure.message or last_line(lines)))
+        return described(replace(failure, message=failure.message or last_line(lines)))
     out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
     attempt = f"{unit_id}.{unit.restarts}"
     recorded = read_failures(Path(unit.run_dir), attempt)  # this run's records, oldest first
@@ -68,7 +68,7 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
     if not message and srun is not None and srun.rank == failure.rank and "exit code" not in srun.how:
         message = srun.how  # "Out Of Memory", "Killed": better than nothing
     node = failure.node or (srun.node if srun is not None and srun.rank == failure.rank else "")
-    return _described(replace(failure, message=message, node=node))
+    return described(replace(failure, message=message, node=node))
 
 
 def stopped_not_requeued(lines: list[str], unit_id: str) -> str:
@@ -87,7 +87,7 @@ def killed_first(srun: TaskEnd, recorded: list[Failure]) -> bool:
     return srun.exit_code == 128 + signal.SIGKILL and all(f.rank != srun.rank for f in recorded)
 
 
-def _described(failure: Failure) -> tuple[dict[str, Any], str]:
+def described(failure: Failure) -> tuple[dict[str, Any], str]:
     message = failure.message.strip()
     if len(message) > MESSAGE_CHARS:
         message = message[:MESSAGE_CHARS - 3] + "..."

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -214,6 +215,38 @@ def _from_row(row: sqlite3.Row) -> JobRecord:
     return JobRecord(**data)
 
 
+SAY_WAIT_MS = 2_000  # a registry locked longer than this: say so, then wait on
+
+
+def begin(db: sqlite3.Connection, path: Path) -> None:
+    """BEGIN IMMEDIATE; a lock another hpcgpu holds is waited for, with a word after SAY_WAIT_MS."""
+    db.execute(f"PRAGMA busy_timeout = {SAY_WAIT_MS}")
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        return
+    except sqlite3.OperationalError as exc:
+        if "locked" not in str(exc) and "busy" not in str(exc):
+            raise
+    finally:
+        db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    print(f"hpcgpu: waiting for the job registry {path}: another hpcgpu holds its lock (up to "
+          f"{BUSY_TIMEOUT_MS // 1000} s)", file=sys.stderr, flush=True)
+    db.execute("BEGIN IMMEDIATE")
+
+
+def registry_error(path: Path, exc: BaseException) -> HpcgpuError:
+    """One line: a damaged file is not an unwritable one, and each has its own way out."""
+    text = str(exc)
+    if isinstance(exc, sqlite3.DatabaseError) and ("malformed" in text or "not a database" in text):
+        return HpcgpuError(f"job registry {path} is damaged ({text}); nothing was submitted. Move it aside "
+                           f"(mv {path} {path}.damaged) and run `hpcgpu registry rebuild RUNS_DIR` to recover "
+                           "the jobs of a runs_dir from their run dirs")
+    if "locked" in text or "busy" in text:
+        return HpcgpuError(f"job registry {path}: still locked by another hpcgpu after {BUSY_TIMEOUT_MS // 1000} s "
+                           f"({text}); try again, or set HPCGPU_REGISTRY to another file")
+    return HpcgpuError(f"job registry {path}: {text} (set HPCGPU_REGISTRY to a writable file)")
+
+
 class Registry:
     def __init__(self, path: Path | None = None):
         self.path = path or registry_path()
@@ -231,9 +264,22 @@ class Registry:
             if db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:  # new, or an older hpcgpu's
                 self._create(db, journal_mode_for(self.path))
         except (sqlite3.Error, OSError) as exc:
-            raise HpcgpuError(f"job registry {self.path}: {exc} (set HPCGPU_REGISTRY to a writable file)") from None
+            raise registry_error(self.path, exc) from None
         self._db = db
         return db
+
+    def check(self) -> None:
+        """Before anything is submitted: the registry opens, passes sqlite's quick integrity check and
+        takes a write lock, so a job never reaches the scheduler untracked."""
+        db = self._connect()
+        try:
+            verdict = db.execute("PRAGMA quick_check").fetchone()[0]
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"database disk image is malformed ({verdict})")
+            with self._transaction():
+                pass
+        except sqlite3.Error as exc:
+            raise registry_error(self.path, exc) from None
 
     @staticmethod
     def _create(db: sqlite3.Connection, journal_mode: str = "WAL") -> None:
@@ -257,10 +303,11 @@ class Registry:
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, taken up front (BEGIN IMMEDIATE) so concurrent writers queue."""
+        """One write transaction, taken up front (BEGIN IMMEDIATE) so concurrent writers queue; a wait
+        longer than SAY_WAIT_MS says so (then waits out BUSY_TIMEOUT_MS)."""
         db = self._connect()
         try:
-            db.execute("BEGIN IMMEDIATE")
+            begin(db, self.path)
             try:
                 yield db
                 db.execute("COMMIT")
@@ -268,7 +315,7 @@ class Registry:
                 db.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
-            raise HpcgpuError(f"job registry {self.path}: {exc}") from None
+            raise registry_error(self.path, exc) from None
 
     def _write(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
         with self._transaction() as db:
@@ -355,3 +402,4 @@ class Registry:
 
     def count(self) -> int:
         return int(self._connect().execute("SELECT COUNT(*) FROM jobs").fetchone()[0])
+
