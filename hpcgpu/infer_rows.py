@@ -66,7 +66,7 @@ def _jsonl_row(p: Path, n: int, line: str, index: int, mode: str) -> Row:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise HpcgpuError(f"{p}:{n}: not a JSON object ({exc.msg})") from None
+        raise HpcgpuError(f"{p}:{n}: not a JSON object ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
     if not isinstance(obj, dict):
         raise HpcgpuError(f"{p}:{n}: expected a JSON object, got {type(obj).__name__}")
     row_id = obj.get("id", n)
@@ -87,3 +87,20 @@ def _jsonl_row(p: Path, n: int, line: str, index: int, mode: str) -> Row:
         return Row(index, row_id, n, messages=messages)
     raise HpcgpuError(f"{p}:{n}: expected a \"prompt\" (a string) or \"messages\" "
                       "(a list of {\"role\", \"content\"})")
+
+
+def rows_fit_problem(rows: list[Row], lengths: list[int], limit: int | None, mode: str, max_new_tokens: int,
+                     source: str) -> str | None:
+    """The longest row if it does not fit the model's `limit` positions (max_position_embeddings): one
+    line naming it, the same at validate (hpcgpu/launch/checks.py) and in the job."""
+    if not lengths or not isinstance(limit, int) or limit <= 0:
+        return None
+    extra = max_new_tokens if mode == "generate" else 0
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    if lengths[longest] + extra <= limit:
+        return None
+    row = rows[longest]
+    what = (f"its prompt is {lengths[longest]} tokens, + infer.max_new_tokens {extra}" if extra
+            else f"its text is {lengths[longest]} tokens")
+    return (f"{source}:{row.line}: row {json.dumps(row.id)} does not fit the model's {limit} positions "
+            f"(max_position_embeddings): {what}; shorten it" + (" or lower infer.max_new_tokens" if extra else ""))

@@ -161,12 +161,17 @@ def jsonl_text(raw: bytes, text_field: str, path: Path, n: int) -> Any:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise HpcgpuError(f"{path}:{n}: not a JSON object ({exc.msg}); a .jsonl holds one object a line") from None
+        raise HpcgpuError(f"{path}:{n}: not a JSON object ({json_error(exc)}); a .jsonl holds one object a line") from None
     text = obj.get(text_field) if isinstance(obj, dict) else None
     if not isinstance(text, str):
         raise HpcgpuError(f"{path}:{n}: expected a JSON object with a \"{text_field}\" field (a string); "
                           f"{text_field_hint(obj)}")
     return text
+
+
+def json_error(exc: json.JSONDecodeError) -> str:
+    """The JSON error with its column (json's own msg alone reads cut: "Unterminated string starting at")."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 def text_field_hint(obj: Any) -> str:
@@ -272,7 +277,7 @@ def example_row(raw: bytes, data_format: str, path: Path | str, n: int) -> Optio
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise HpcgpuError(f"{where}: not a JSON object ({exc.msg})") from None
+        raise HpcgpuError(f"{where}: not a JSON object ({json_error(exc)})") from None
     if not isinstance(obj, dict):
         raise HpcgpuError(f"{where}: expected a JSON object {EXAMPLE_SHAPES[data_format]}, "
                           f"got {type(obj).__name__}")

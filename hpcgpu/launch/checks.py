@@ -32,6 +32,7 @@ Every problem is one line naming the key, exit 2.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -43,7 +44,7 @@ from urllib.parse import urlparse
 from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.gpu.estimate import parse_max_memory
 from hpcgpu.gpu.model_types import model_type_problem
-from hpcgpu.infer_rows import read_rows
+from hpcgpu.infer_rows import Row, read_rows, rows_fit_problem
 from hpcgpu.launch.registry import file_system_type
 from hpcgpu.launch.replicas import quantization_problem
 from hpcgpu.spec import Spec
@@ -193,15 +194,44 @@ def max_memory_problem(spec: Spec) -> str | None:
 
 
 def infer_input_problem(spec: Spec) -> str | None:
-    """The first bad row of infer.input as 'file:line: why', or None (the file was found before).
-    Rows with "messages" need a tokenizer with a chat template: the byte-level one (model.config, or a
-    model hpcgpu trained without tokenizer files) has none; a hub id's is not looked at here."""
+    """The first bad row of infer.input as 'file:line: why', or None (the file was found before): a row
+    the reader refuses, "messages" without a chat template, a row longer than the model's positions."""
     if spec.task != "infer" or not spec.infer.input:
         return None
     try:
-        rows = read_rows(spec.infer.input, spec.infer.mode)
+        rows = input_rows(spec.infer.input, spec.infer.mode)
     except HpcgpuError as exc:
         return str(exc)
+    return chat_rows_problem(spec, rows)
+
+
+def input_rows(path: str, mode: str) -> list[Row]:
+    """infer.input's rows, read once for the checks that look at them (again once the file changed)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return read_rows(path, mode)  # the reader says what is wrong
+    return _rows_of(path, mode, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _rows_of(path: str, mode: str, mtime_ns: int, size: int) -> list[Row]:
+    return read_rows(path, mode)
+
+
+def infer_lengths_problem(spec: Spec) -> str | None:
+    """After the rows read and max_new_tokens fit the model at all: the rows' own lengths."""
+    if spec.task != "infer" or not spec.infer.input:
+        return None
+    try:
+        return rows_length_problem(spec, input_rows(spec.infer.input, spec.infer.mode))
+    except HpcgpuError:
+        return None  # infer.input's own check said it
+
+
+def chat_rows_problem(spec: Spec, rows: list[Row]) -> str | None:
+    """Rows with "messages" need a tokenizer with a chat template: the byte-level one (model.config, or a
+    model hpcgpu trained without tokenizer files) has none; a hub id's is not looked at here."""
     chat = next((row for row in rows if row.messages is not None), None)
     name = spec.model.name_or_path
     if chat is None or (name and not is_local_path(name, Path.cwd())):
@@ -214,9 +244,45 @@ def infer_input_problem(spec: Spec) -> str | None:
             "none; give a \"prompt\" instead")
 
 
+def rows_length_problem(spec: Spec, rows: list[Row]) -> str | None:
+    """A prompt (score: text) longer than the model's positions, counted as the job tokenizes it: the
+    byte-level tokenizer, or a local model folder's tokenizer.json through `tokenizers` (no torch);
+    rows with "messages" (the chat template's text) are left to the job."""
+    found = model_config_of(spec)
+    limit = config_int(found[2], "max_position_embeddings", "n_positions") if found else None
+    count = prompt_counter(spec)
+    if limit is None or count is None:
+        return None
+    plain = [r for r in rows if r.messages is None]
+    texts = [(r.text if spec.infer.mode == "score" else r.prompt) or "" for r in plain]
+    lengths = [max(1, n) for n in count(texts)]  # the job starts an empty prompt from BOS (or EOS)
+    return rows_fit_problem(plain, lengths, limit[1], spec.infer.mode, spec.infer.max_new_tokens,
+                            str(spec.infer.input))
+
+
+def prompt_counter(spec: Spec) -> Callable[[list[str]], list[int]] | None:
+    """Token counts of texts as the job's tokenizer makes them (special tokens included), or None where
+    the host cannot tell (a hub id, a folder without tokenizer.json)."""
+    name = spec.model.name_or_path
+    if not name or Path(name, "hpcgpu_tokenizer.json").expanduser().exists():
+        return lambda texts: [len(t.encode("utf-8")) for t in texts]
+    path = Path(name).expanduser() / "tokenizer.json"
+    if not is_local_path(name, Path.cwd()) or not path.is_file():
+        return None
+    from tokenizers import Tokenizer  # Rust, no torch: a local model folder's tokenizer only
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # tokenizers raises bare Exceptions; the job's loader says what is wrong with it
+        return None
+    return lambda texts: [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=True)]
+
+
 # --- task: train, data.format ------------------------------------------------------------------
 
-DATA_ROWS_CHECKED = 1000  # rows of a raw .jsonl read here; the job reads them all, with the same reader
+# bytes of a raw .jsonl data.train/eval read here (the whole file up to this: ~2 s for 60 MB), with the
+# reader the job and `data prepare` use, so that the messages are theirs
+DATA_BYTES_CHECKED = 256 << 20
 
 
 def prepared_formats_problem(spec: Spec) -> str | None:
@@ -232,7 +298,7 @@ def data_rows_problem(spec: Spec, key: str) -> str | None:
     value = spec.data.train if key == "data.train" else spec.data.eval
     if spec.task != "train" or not value:
         return None
-    return example_rows_problem(key, value, spec.data.format)
+    return example_rows_problem(key, value, spec.data.format, spec.data.text_field)
 
 
 def chat_data_problem(spec: Spec) -> str | None:
@@ -259,21 +325,26 @@ def prepared_format_problem(value: str, data_format: str) -> str | None:
     return format_mismatch(value, prepared, data_format)
 
 
-def example_rows_problem(key: str, value: str, data_format: str) -> str | None:
-    """The first bad row among the first DATA_ROWS_CHECKED of a raw chat/prompt_completion input."""
+def example_rows_problem(key: str, value: str, data_format: str, text_field: str = "text") -> str | None:
+    """The first bad row of a raw .jsonl input (its first DATA_BYTES_CHECKED): a text row without its
+    text field, a chat/prompt_completion row of another shape, a line that is no JSON or no UTF-8."""
     path = Path(value).expanduser()
-    if data_format == "text" or path.is_dir():
+    if path.is_dir() or (data_format == "text" and path.suffix != ".jsonl"):
         return None
-    from hpcgpu.data.sources import EXAMPLE_SHAPES, example_row  # the hpcgpu.data package imports numpy
+    from hpcgpu.data.sources import EXAMPLE_SHAPES, example_row, jsonl_text  # hpcgpu.data imports numpy
 
     if path.suffix != ".jsonl":
         return (f"{key}: data.format {data_format} reads a .jsonl file, one {EXAMPLE_SHAPES[data_format]} "
                 f"a line, not {path.name}")
+    read = ((lambda raw, n: jsonl_text(raw, text_field, path, n)) if data_format == "text" else
+            (lambda raw, n: example_row(raw, data_format, value, n)))
     try:
         with open(path, "rb") as fh:
+            seen = 0
             for n, raw in enumerate(fh, 1):
-                example_row(raw, data_format, value, n)
-                if n >= DATA_ROWS_CHECKED:
+                read(raw, n)
+                seen += len(raw)
+                if seen >= DATA_BYTES_CHECKED:
                     break
     except HpcgpuError as exc:
         return str(exc)
@@ -558,6 +629,9 @@ SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("infer.max_memory", _infer(max_memory_problem), lambda spec: (spec.task, spec.infer.max_memory)),
     HostCheck("infer.input", _infer(infer_input_problem), lambda spec: (spec.task, spec.infer.mode, spec.infer.input)),
     HostCheck("infer.max_new_tokens", lambda spec, _: positions_problem(spec)),
+    HostCheck("infer.input", _infer(infer_lengths_problem),
+              lambda spec: repr((spec.task, spec.infer.mode, spec.infer.input, spec.infer.max_new_tokens,
+                                 spec.model.name_or_path, spec.model.config))),
 )
 
 

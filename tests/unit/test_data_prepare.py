@@ -337,7 +337,8 @@ def test_cli_prepares_an_input_file_and_exits_2_on_a_bad_line(tmp_path: Path, bp
     assert run_cli("data", "prepare", "--input", str(bad), "--output", str(tmp_path / "x")) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("hpcgpu: error:")]
-    assert errors == [f"hpcgpu: error: {bad}:2: not a JSON object (Expecting value); a .jsonl holds one object a line"]
+    assert errors == [f"hpcgpu: error: {bad}:2: not a JSON object (Expecting value at column 1); a .jsonl holds one object a "
+                      "line"]
     assert "Traceback" not in err
     for row, hint in [({"body": "x"}, "set data.text_field (--text-field) to the field that holds the text"),
                       ({"prompt": "a", "completion": "b"}, "set data.format: prompt_completion (--format "

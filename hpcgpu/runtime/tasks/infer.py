@@ -53,7 +53,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
                                  infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room)
 from hpcgpu.gpu.monitor import GpuMonitor
-from hpcgpu.infer_rows import Row, read_rows
+from hpcgpu.infer_rows import Row, read_rows, rows_fit_problem
 from hpcgpu.runtime import infer_outputs as outputs
 from hpcgpu.runtime import slots as slot_engine
 from hpcgpu.runtime.context import Context, init
@@ -167,18 +167,10 @@ def check_rows_fit(rows: Sequence[Row], ids: Sequence[list[int]], config: Any, m
     if vocab is not None and top >= vocab:
         raise HpcgpuError(f"model vocab_size {vocab} is too small for the tokenizer (token id {top}) of "
                           f"{model_ref}; use vocab_size >= 256 for the byte-level tokenizer")
-    limit = getattr(config, "max_position_embeddings", None)
-    if not isinstance(limit, int) or limit <= 0:
-        return
-    extra = max_new_tokens if mode == "generate" else 0
-    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
-    if len(ids[longest]) + extra > limit:
-        row = rows[longest]
-        what = (f"its prompt is {len(ids[longest])} tokens, + infer.max_new_tokens {extra}" if extra
-                else f"its text is {len(ids[longest])} tokens")
-        raise HpcgpuError(f"{source}:{row.line}: row {json.dumps(row.id)} does not fit the model's {limit} "
-                          f"positions (max_position_embeddings): {what}; shorten it"
-                          + (" or lower infer.max_new_tokens" if extra else ""))
+    problem = rows_fit_problem(list(rows), [len(r) for r in ids], getattr(config, "max_position_embeddings", None),
+                               mode, max_new_tokens, source)
+    if problem:
+        raise HpcgpuError(problem)
 
 
 def file_digest(path: str) -> str:
