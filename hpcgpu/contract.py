@@ -154,6 +154,20 @@ class Failure:
         return f"{text}: {self.message}" if self.message else text
 
 
+# what a rank killed by a signal did not say itself (it cannot), keyed by the shell's exit code 128+N
+SIGNAL_HINTS = {
+    128 + signal.SIGKILL: ("killed by SIGKILL without a word of its own; the kernel's out-of-memory killer is the "
+                           "usual cause (dmesg on the node; sacct -j JOB -o MaxRSS where accounting works)"),
+    128 + signal.SIGSEGV: "a segmentation fault in native code (a CUDA/NCCL library, a C extension)",
+    128 + signal.SIGBUS: "a bus error: often /dev/shm full (DataLoader workers) or a file mapped and truncated",
+}
+
+
+def signal_hint(exit_code: int | None) -> str:
+    """The likely cause of a death by signal (exit code 128+N), '' for any other end."""
+    return SIGNAL_HINTS.get(exit_code or 0, "")
+
+
 def attempt_id(environ: Mapping[str, str] | None = None) -> str:
     """This run of the job: the same in every rank of one start, new after every requeue.
 

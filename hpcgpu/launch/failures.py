@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hpcgpu.contract import EXIT_STOPPED, Failure, read_failures
+from hpcgpu.contract import EXIT_STOPPED, Failure, read_failures, signal_hint
 from hpcgpu.launch.joblogs import (RANK_LABEL, TaskEnd, first_failed_task, last_line, log_files, rank_error_line,
                                    tail_lines)
 from hpcgpu.launch.registry import JobRecord, TaskRecord, units_of
@@ -50,7 +50,8 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
         if failure is None:
             return {}, ""  # the executor's own reason ("exit code N") stays
         lines = tail_lines(log_files(job, task, failure.rank)[0])
-        return described(replace(failure, message=failure.message or last_line(lines)))
+        return described(replace(failure, message=failure.message or signal_hint(failure.exit_code)
+                                  or last_line(lines)))
     out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
     attempt = f"{unit_id}.{unit.restarts}"
     recorded = read_failures(Path(unit.run_dir), attempt)  # this run's records, oldest first
@@ -64,9 +65,12 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
         line = last_line(err_lines, rank=None)  # the batch script's own: a setup line that failed
         how = "no exit code known" if unit.exit_code is None else f"exit code {unit.exit_code}"
         return {}, how + (f": {line}" if line else "")
-    message = failure.message or rank_error_line(failure.rank, err_lines, out_lines)
-    if not message and srun is not None and srun.rank == failure.rank and "exit code" not in srun.how:
-        message = srun.how  # "Out Of Memory", "Killed": better than nothing
+    srun_says = srun.how if srun is not None and srun.rank == failure.rank and "exit code" not in srun.how else ""
+    if not failure.message and signal_hint(failure.exit_code):
+        # a rank killed by a signal said nothing itself: its last line is no reason (a start-up banner)
+        message = srun_says or signal_hint(failure.exit_code)
+    else:
+        message = failure.message or rank_error_line(failure.rank, err_lines, out_lines) or srun_says
     node = failure.node or (srun.node if srun is not None and srun.rank == failure.rank else "")
     return described(replace(failure, message=message, node=node))
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import IO, Callable
 
 from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED, EXIT_STOPPED,
-                             Failure, RunPaths, attempt_id, is_finished, record_failure, write_finished)
+                             Failure, RunPaths, attempt_id, is_finished, record_failure, signal_hint,
+                             write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
@@ -171,7 +172,8 @@ def record_end(rank: Rank, code: int) -> None:
     still leaves a failure record, so the ranks stopped next know theirs is no preemption."""
     if rank.run_dir is None or code == EXIT_STOPPED:
         return
-    record_failure(rank.run_dir, Failure(rank.attempt, rank.index, socket.gethostname(), _shell_code(code), "",
+    shell = _shell_code(code)
+    record_failure(rank.run_dir, Failure(rank.attempt, rank.index, socket.gethostname(), shell, signal_hint(shell),
                                          time.time()))  # kept: a record the rank wrote itself wins
 
 
@@ -201,6 +203,9 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
     previous = {s: signal.signal(s, on_interrupt) for s in stop_signals()}
     try:
         first_failure = watch_ranks(ranks, interrupted, say)
+    except BaseException:
+        _signal_all(ranks, signal.SIGKILL)  # the launcher's own error leaves no rank behind
+        raise
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

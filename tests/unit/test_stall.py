@@ -49,3 +49,44 @@ def test_a_rank_stalled_in_a_checkpoint_save_ends_the_job_within_its_timeout(tmp
     assert proc.returncode not in (0, 75), out[-3000:]  # a failure, not a finish or a preemption
     assert took < TIMEOUT_S + 100, took
     assert not rank_processes(str(tmp_path))  # the stalled rank did not outlive the job
+
+
+KILLED = '''
+import os
+import signal
+
+import torch
+
+
+def main(ctx):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = ctx.prepare(model, optimizer)
+    ctx.save(1)
+    if ctx.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer does
+    ctx.save(2)  # rank 0 meets its dead peer in this save's collectives
+    return 0
+'''
+
+
+def test_a_rank_killed_by_sigkill_is_the_failure_and_the_likely_cause_is_named(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    from conftest import only_run_dir
+    from hpcgpu.contract import first_failure
+
+    (tmp_path / "killed.py").write_text(KILLED)
+    spec = write_spec_file(tmp_path, {"name": "killed", "task": "callable", "entry": "killed:main",
+                                      "resources": {"gpus": 2, "cpus_per_gpu": 1},
+                                      "distributed": {"nccl": {"timeout_s": TIMEOUT_S}}})
+    out = subprocess.run(submit_cmd(spec), capture_output=True, text=True, timeout=180, env=job_env(), cwd=tmp_path)
+    assert out.returncode == 137, out.stdout[-2000:] + out.stderr[-2000:]
+    failure = first_failure(only_run_dir(tmp_path / "runs", "killed"))
+    assert failure is not None and failure.rank == 1 and failure.exit_code == 137, failure
+    assert "SIGKILL" in failure.describe() and "out-of-memory" in failure.message, failure
+    listed = json.loads(subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True,
+                                       text=True, timeout=60, env=job_env(), check=True).stdout)
+    job = next(j for j in listed if j["name"] == "killed")
+    assert job["state"] == "FAILED" and job["failure"]["rank"] == 1 and "out-of-memory" in job["failure"]["message"]
