@@ -40,8 +40,6 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     # what the job would fail on after its wait in the queue, found here (one line, exit 2)
     resolved = read_resolved(spec_file, overrides, gpus, nodes, sweeps, submit_use(executor, dry_run), say)
     spec_ref = str(Path(spec_file).resolve())
-    if not dry_run:
-        Registry().check()  # a damaged or unwritable registry stops here, before any job exists
     if executor == "local":
         return run_here(resolved, spec_ref, dry_run, fresh, ignore_busy)
     return submit_slurm(resolved, spec_ref, dry_run, wait)
@@ -112,6 +110,7 @@ def run_here(resolved: Resolved, spec_ref: str, dry_run: bool, fresh: bool, igno
         click.echo(f"# would run {spec.world_size} local rank(s): python -m hpcgpu run <run dir>/spec.yaml"
                    + (f", for each of {len(tasks)} sweep tasks in turn" if tasks else ""))
         return 0
+    Registry().check()  # a damaged or unwritable registry stops here, before any run dir or rank exists
     if tasks:
         return run_sweep_here(resolved, spec_ref, ignore_busy)
     return run_one_here(spec, spec_ref, fresh, ignore_busy)

@@ -270,7 +270,13 @@ class Registry:
 
     def check(self) -> None:
         """Before anything is submitted: the registry opens, passes sqlite's quick integrity check and
-        takes a write lock, so a job never reaches the scheduler untracked."""
+        takes a write lock, so a job never reaches the scheduler untracked. A registry not made yet is
+        not made here (a refused submission leaves nothing): its folder must let the first job make it."""
+        if not self.path.exists():
+            folder = next(p for p in (self.path.parent, *self.path.parent.parents) if p.exists())
+            if not os.access(folder, os.W_OK | os.X_OK):
+                raise registry_error(self.path, PermissionError(f"cannot be made: {folder} is not writable"))
+            return
         db = self._connect()
         try:
             verdict = db.execute("PRAGMA quick_check").fetchone()[0]

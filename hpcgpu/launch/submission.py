@@ -66,6 +66,7 @@ def submit_plan(plan: Plan) -> str:
 
 def submit_single(spec: Spec, spec_file: str, registry: Registry) -> JobRecord:
     check_cluster(spec)
+    registry.check()  # a damaged or locked-out registry stops here: no job reaches SLURM untracked
     run_dir = make_run_dir(spec)
     try:
         job_id = submit_plan(single_plan(spec, run_dir))
@@ -78,6 +79,7 @@ def submit_single(spec: Spec, spec_file: str, registry: Registry) -> JobRecord:
 def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry) -> list[JobRecord]:
     check_one_script(tasks)
     check_cluster(tasks[0].spec)
+    registry.check()
     chunks = array_chunks(len(tasks), max_array_size())
     sweep = write_sweep(spec, tasks)
     records: list[JobRecord] = []

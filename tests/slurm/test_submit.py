@@ -191,6 +191,17 @@ def test_impossible_request_fails_before_submission(slurm, args, words):
     assert not (slurm.tmp / "runs").exists() and not slurm.registry.exists()
 
 
+def test_a_damaged_registry_submits_nothing(slurm):
+    spec = command_spec(slurm, ["true"], name="untracked")
+    slurm.registry.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)  # a header, then garbage
+    done = slurm.hpcgpu("submit", str(spec), check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and f"job registry {slurm.registry} is damaged" in done.stderr
+    names = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%j"], capture_output=True, text=True).stdout
+    assert "untracked" not in names.split()  # nothing reached SLURM untracked
+    assert not list((slurm.tmp / "runs").glob("untracked/*"))
+
+
 def test_sbatch_refusal_is_slurms_message_exit_3(slurm):
     spec = command_spec(slurm, ["true"], name="refused", slurm={"extra": {"nodelist": "nosuch"}})
     done = slurm.hpcgpu("submit", str(spec), check=False)
