@@ -140,6 +140,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import gpu_name, nvidia_smi_names, rotated, spread, work_dir
+from hf_generate import stop_position  # the fewest leading tokens that hold a stop string, one definition
 
 REPO = Path(__file__).resolve().parent.parent
 PLAIN = REPO / "benchmarks" / "plain_generate.py"
@@ -551,20 +552,6 @@ def calibrate_stop(args: argparse.Namespace, work: Path, model_dir: Path, data: 
     return choice
 
 
-def first_stop(tokens: list[int], stops: list[str], decode) -> int | None:
-    """The fewest leading tokens whose text holds one of the stops (None: the text never does)."""
-    if not any(s in decode(tokens) for s in stops):
-        return None
-    lo, hi = 1, len(tokens)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in decode(tokens[:mid]) for s in stops):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 def choose_stop(toks: list[list[int]], decode, share: float, max_new: int, most: int = 4) -> dict[str, Any]:
     """Stop strings (2-6 characters of the completions; no replacement character, newline or only
     blanks) found in the share of the rows closest to `share`: one string where one comes within a row
@@ -611,7 +598,7 @@ def choose_stop(toks: list[list[int]], decode, share: float, max_new: int, most:
         covered |= rows_of[pick]
         if g <= 1.0 / n:  # within a row of the share: one string more would not do better
             break
-    firsts = [first_stop(t, chosen, decode) for t in toks]
+    firsts = [stop_position(t, chosen, decode) for t in toks]
     hit = [f for f in firsts if f is not None]
     s_share = len(hit) / n
     mean_frac = sum(hit) / len(hit) / max_new if hit else 1.0

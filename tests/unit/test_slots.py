@@ -161,3 +161,22 @@ def test_the_jobs_engine_prepared_before_the_loop_gives_the_same_rows() -> None:
     prepared = make_engine(spec(), model, codec, ids, rows, torch.device("cpu"), 5, None)
     assert prepared.engine.cache is not None  # allocated at start-up, before any row
     assert run(prepared, ids) == lazy
+
+
+def test_refill_off_takes_new_rows_only_when_every_slot_is_free() -> None:
+    rows, ids = rows_and_ids()
+    model = tiny_model("gpt2", 7)
+    codec = Codec(ByteTokenizer(), "tiny")
+    on = SlotRunner(spec(), model, codec, ids, rows, torch.device("cpu"), slots=4)
+    off = SlotRunner(spec(refill=False), model, codec, ids, rows, torch.device("cpu"), slots=4)
+    fills: list[int] = []
+    prefill = off.engine.prefill
+
+    def counted(pairs: list) -> list:
+        assert all(r < 0 for r in off.engine.row)  # every slot free when new rows enter
+        fills.append(len(pairs))
+        return prefill(pairs)
+
+    off.engine.prefill = counted
+    assert run(off, ids, chunk=4) == run(on, ids, chunk=4)  # the same rows either way
+    assert fills == [4] * (ROWS // 4)  # fixed batches of 4
