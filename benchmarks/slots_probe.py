@@ -27,12 +27,15 @@ def llama_400m() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).cuda().eval()
 
 
-def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) -> dict:
+def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, attention: str) -> dict:
     from hpcgpu.runtime import slots as eng
 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
                                   sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
+    if attention == "sdpa" and engine.varlen:  # the masked-view path the engine takes without the varlen kernel
+        engine.varlen, engine.varlen_off_why = False, "--attention sdpa"
+        engine.widths = eng.view_widths(settings.width)
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest first, as the task takes them
     chunk = max(1, slots // 4)
     todo = [order[i:i + chunk] for i in range(0, len(order), chunk)]
@@ -49,7 +52,7 @@ def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) 
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0 - engine.capture_s
     step_ms = elapsed / max(1, engine.replays * engine.steps) * 1e3
-    return {"slots": slots, "rows": len(ids), "tokens": tokens, "elapsed_s": round(elapsed, 2),
+    return {"slots": slots, "attention": engine.attention, "rows": len(ids), "tokens": tokens, "elapsed_s": round(elapsed, 2),
             "tok_s": round(tokens / elapsed), "capture_s": round(engine.capture_s, 2), "views": sorted(engine.graphs),
             "why": engine.graphs_off_why, "step_ms": round(step_ms, 3), "width": settings.width,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
@@ -61,6 +64,7 @@ def main() -> None:
     ap.add_argument("--slots", default="64,256,512")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--attention", default="varlen", help="varlen, sdpa (the masked view) or both, per slot count")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = llama_400m()
@@ -71,14 +75,15 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
-            print(json.dumps(measure(model, ids, slots, args.new)), flush=True)
+            for attention in (["varlen", "sdpa"] if args.attention == "both" else [args.attention]):
+                print(json.dumps(measure(model, ids, slots, args.new, attention)), flush=True)
         except Exception as exc:  # report and go on to the next setting
             print(json.dumps({"slots": slots, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
     if args.profile:
-        profile(model, ids, args.profile, args.new)
+        profile(model, ids, args.profile, args.new, args.attention if args.attention != "both" else "varlen")
 
 
-def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) -> None:
+def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, attention: str) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     from hpcgpu.runtime import slots as eng
@@ -86,6 +91,9 @@ def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int) 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
                                   sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
+    if attention == "sdpa" and engine.varlen:  # the masked-view path the engine takes without the varlen kernel
+        engine.varlen, engine.varlen_off_why = False, "--attention sdpa"
+        engine.widths = eng.view_widths(settings.width)
     engine.graphs_off_why = "profiled uncaptured"
     with torch.inference_mode():
         engine.emit = engine.prefill([(s, s) for s in range(slots)])

@@ -133,11 +133,13 @@ class Sampler:
 
 # ---------------------------------------------------------------- the cache
 
-def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tensor, view: dict[str, int]) -> Any:
+def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tensor, view: dict[str, int],
+               flat: bool = False) -> Any:
     """transformers' Cache over our slot tensors, stored (slots, width, kv heads, head dim) so that a
-    decode step's write of slot s at column col[s] is one index_copy_ of rows; the model sees the
-    (slots, kv heads, view["width"], head dim) view it expects: the first columns only, where every
-    running row fits (fewer bytes read a step)."""
+    decode step's write of slot s at column col[s] is one index_copy_ of rows. The model sees the
+    (slots, kv heads, view["width"], head dim) view it expects (the first columns only, where every
+    running row fits: fewer bytes read a step), or with `flat` the (slots x width, kv heads, head dim)
+    rows that decode_attention's varlen kernel reads slot by slot."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     n, width = storage[0][0].shape[:2]
@@ -160,6 +162,8 @@ def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tens
             at = flat_rows + col
             self.flat_k.index_copy_(0, at, key_states[:, :, 0])
             self.flat_v.index_copy_(0, at, value_states[:, :, 0])
+            if flat:
+                return self.flat_k, self.flat_v
             w = view["width"]
             return self.keys[:, :, :w], self.values[:, :, :w]
 
@@ -179,17 +183,29 @@ def slot_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], col: torch.Tens
 
 
 DECODE_ATTENTION = "hpcgpu_slots"
+# the varlen kernel's per-step arguments, (cu_seqlens_q, cu_seqlens_k, seqused_k, width), set by the engine
+# whose decode step runs (tensors in its graph's memory: a replay reads them where the capture left them)
+VARLEN: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
 
 def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """sdpa for one query token a slot, grouped-query attention without repeat_kv: a KV head's query
-    heads are g query rows against that head's keys (one read of the cache, not a copy per query
-    head). Anything else goes to transformers' own sdpa."""
+    """One query token a slot. Flat keys (slots x width rows, see slot_cache): PyTorch's flash-attention
+    varlen kernel reads each slot's live columns [start, col] only (cu_seqlens_k at the slot's start,
+    seqused_k its length), grouped-query heads included: a step costs the bytes of the rows in flight,
+    not of the cache's width. Otherwise sdpa with the 4D mask, grouped-query attention without
+    repeat_kv (a KV head's query heads are g query rows against its keys: one read, not a copy per
+    query head). Anything else goes to transformers' own sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     n, heads, q_len, dim = query.shape
+    if key.dim() == 3:
+        cu_q, cu_k, used, width = VARLEN["args"]
+        out = torch.ops.aten._flash_attention_forward(
+            query.transpose(1, 2).reshape(n, heads, dim), key, value, cu_q, cu_k, 1, width, 0.0, False, False,
+            scale=scaling, seqused_k=used)[0]
+        return out.reshape(n, 1, heads, dim), None
     kv_heads = key.shape[1]
     if q_len != 1 or heads % kv_heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -198,6 +214,28 @@ def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
                                                            scale=scaling)
     return out.reshape(n, 1, heads, dim), None
+
+
+def varlen_refusal(model: Any, device: torch.device) -> str | None:
+    """Why decode steps cannot use the flash varlen kernel here (then: sdpa over a masked view), or None."""
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else 0)
+    if device.type != "cuda":
+        return "not on a GPU"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(dtype).replace('torch.', '')} weights (the kernel takes fp16 and bf16)"
+    if not dim or dim % 8 or dim > 256:
+        return f"head dim {dim}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "a GPU older than sm80"
+    if (getattr(config, "_attn_implementation", None) or "eager") != "sdpa":
+        return f"attention {config._attn_implementation!r}"
+    if "seqused_k" not in str(torch.ops.aten._flash_attention_forward.default._schema):
+        return f"torch {torch.__version__} has no seqused_k"
+    return None
 
 
 def register_decode_attention() -> None:
@@ -268,7 +306,15 @@ class SlotEngine:
         self.neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         self.cache: Any = None
         self.view = {"width": settings.width}
-        self.widths = view_widths(settings.width)
+        # flash varlen reads each slot's live columns whatever the width: one width, one graph
+        self.varlen_off_why = varlen_refusal(model, device)
+        self.varlen = self.varlen_off_why is None
+        self.widths = [settings.width] if self.varlen else view_widths(settings.width)
+        int32 = dict(dtype=torch.int32, device=device)
+        self.cu_q = torch.arange(n + 1, **int32)
+        self.base = torch.arange(n, **long) * settings.width
+        self.total = torch.full((1,), n * settings.width, **int32)
+        self.no_mask = torch.zeros((n, 1, 1, 1), dtype=dtype, device=device)  # a 4D mask transformers passes on
         self.col_host = [0] * n  # col, as the host knows it for the running rows
         self.graphs: dict[int, Any] = {}  # view width -> its captured steps
         self.replays = 0  # decode calls: SYNC_STEPS steps each
@@ -369,7 +415,7 @@ class SlotEngine:
         self.cache_kv = [(torch.zeros((n, w, k.shape[1], k.shape[3]), dtype=k.dtype, device=self.device),
                           torch.zeros((n, w, v.shape[1], v.shape[3]), dtype=v.dtype, device=self.device))
                          for k, v in kv]
-        self.cache = slot_cache(self.cache_kv, self.col, self.view)
+        self.cache = slot_cache(self.cache_kv, self.col, self.view, flat=self.varlen)
 
     # ------------------------------------------------ decode
 
@@ -389,8 +435,7 @@ class SlotEngine:
     def _decode_steps(self, width: int) -> None:
         cols = self.cols[:, :width]
         for i in range(self.steps):
-            valid = (cols >= self.start[:, None]) & (cols <= self.col[:, None])
-            mask = torch.where(valid, self.zero, self.neg)[:, None, None, :]
+            mask = self.step_mask(cols)
             logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], attention_mask=mask,
                                 use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
             nxt = self.s.sampler(logits, self.seeds, self.pos + 1)
@@ -398,6 +443,24 @@ class SlotEngine:
             self.tokens.copy_(nxt)
             self.pos.add_(1).clamp_(max=self.pos_cap)
             self.col.add_(1).clamp_(max=width - 1)
+
+    def step_mask(self, cols: torch.Tensor) -> torch.Tensor:
+        """The attention mask of one decode step: a 4D additive mask over the view's columns, or for the
+        varlen kernel its per-slot spans (VARLEN) and a placeholder mask."""
+        if self.varlen:
+            cu_k = torch.cat([(self.base + self.start).to(torch.int32), self.total])
+            used = (self.col - self.start + 1).to(torch.int32)
+            VARLEN["args"] = (self.cu_q, cu_k, used, self.s.width)
+            return self.no_mask
+        valid = (cols >= self.start[:, None]) & (cols <= self.col[:, None])
+        return torch.where(valid, self.zero, self.neg)[:, None, None, :]
+
+    @property
+    def attention(self) -> str:
+        """How decode steps attend, for the start-up line."""
+        if self.varlen:
+            return "flash varlen over each slot's live columns"
+        return f"sdpa over {len(self.widths)} view width(s) ({self.varlen_off_why})"
 
     def decode(self) -> list[list[int]]:
         """SYNC_STEPS decode steps over the narrowest view every running row fits for them."""

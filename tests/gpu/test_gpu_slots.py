@@ -53,3 +53,47 @@ def test_sampling_is_the_same_at_any_slot_count_on_a_gpu() -> None:
     a = run(SlotRunner(sp, model, codec, ids, rows, torch.device("cuda"), slots=4), chunk=2)
     b = run(SlotRunner(sp, model, codec, ids, rows, torch.device("cuda"), slots=16), chunk=5)
     assert sum(a[i] == b[i] for i in range(ROWS)) >= ROWS - 2
+
+
+def test_varlen_attention_reads_each_slots_own_columns() -> None:
+    """decode_attention's flash varlen path (flat slot rows, per-slot start and length) against sdpa
+    with the 4D mask over the same columns: grouped-query heads, slots starting mid-row, a free slot."""
+    from hpcgpu.runtime.slots import VARLEN, decode_attention
+
+    torch.manual_seed(0)
+    n, width, heads, kv, dim = 6, 128, 8, 2, 64
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    k = torch.randn(n, width, kv, dim, device=dev, dtype=dt)
+    v = torch.randn(n, width, kv, dim, device=dev, dtype=dt)
+    q = torch.randn(n, heads, 1, dim, device=dev, dtype=dt)
+    start = torch.tensor([0, 5, 64, 0, 100, 0], device=dev)
+    col = torch.tensor([0, 90, 127, 63, 101, 1], device=dev)
+    VARLEN["args"] = (torch.arange(n + 1, device=dev, dtype=torch.int32),
+                      torch.cat([(torch.arange(n, device=dev) * width + start).int(),
+                                 torch.tensor([n * width], device=dev, dtype=torch.int32)]),
+                      (col - start + 1).int(), width)
+    got, _ = decode_attention(None, q, k.view(n * width, kv, dim), v.view(n * width, kv, dim), None, scaling=0.125)
+    cols = torch.arange(width, device=dev)[None, :]
+    mask = torch.where((cols >= start[:, None]) & (cols <= col[:, None]), 0.0, float("-inf")).to(dt)[:, None, None]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.transpose(1, 2).repeat_interleave(heads // kv, 1), v.transpose(1, 2).repeat_interleave(heads // kv, 1),
+        attn_mask=mask, scale=0.125).transpose(1, 2)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_half_precision_engine_takes_the_varlen_kernel_and_gives_generates_tokens(kind: str) -> None:
+    rows, ids = rows_and_ids()
+    model = tiny_model(kind, eos=7).cuda().half()
+    codec = Codec(ByteTokenizer(), "tiny")
+    device = torch.device("cuda")
+    sp = spec()
+    want = BatchRunner(sp, model, codec, ids, rows, device)
+    want = {i: want.run(i, [i]).records[0] for i in range(ROWS)}
+    runner = SlotRunner(sp, model, codec, ids, rows, device, slots=6)
+    assert runner.engine.varlen, runner.engine.varlen_off_why
+    got = run(runner)
+    assert len(runner.engine.graphs) == 1 and runner.engine.graphs_off_why is None, runner.engine.graphs_off_why
+    same = sum(got[i] == want[i] for i in range(ROWS))
+    assert same >= ROWS - 3, [(got[i], want[i]) for i in range(ROWS) if got[i] != want[i]][:3]

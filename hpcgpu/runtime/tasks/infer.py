@@ -458,7 +458,8 @@ class SlotRunner:
     def describe(self) -> dict[str, Any]:
         e = self.engine
         return {"engine": "slots", "slots": e.s.slots, "width": e.s.width, "graphs": bool(e.graphs),
-                "views": sorted(e.graphs), "capture_s": round(e.capture_s, 3), "why": e.graphs_off_why}
+                "views": sorted(e.graphs), "capture_s": round(e.capture_s, 3), "why": e.graphs_off_why,
+                "attention": e.attention}
 
     def loop(self, take: Callable[[], Chunk | None], emit: Callable[[BatchResult], None],
              stop: Callable[[], bool]) -> int:
@@ -496,10 +497,10 @@ def make_engine(spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows
     runner = SlotRunner(spec, model, codec, ids, rows, device, batch)
     e = runner.engine
     e.prepare()
-    graphs = (f"decode steps as CUDA graphs of {e.steps} at {len(e.graphs)} view widths, captured in "
+    graphs = (f"decode steps as CUDA graphs of {e.steps} at {len(e.graphs)} view width(s), captured in "
               f"{e.capture_s:.1f}s" if e.graphs else f"decode steps uncaptured ({e.graphs_off_why})")
     log.info(f"engine: slots: {batch} slots of {e.s.width} tokens (the longest row, rounded up), {graphs}, "
-             f"refill {'on' if e.s.refill else 'off'}")
+             f"attention: {e.attention}, refill {'on' if e.s.refill else 'off'}")
     return runner
 
 
