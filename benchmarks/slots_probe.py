@@ -27,11 +27,12 @@ def llama_400m() -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).cuda().eval()
 
 
-def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, attention: str) -> dict:
+def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, attention: str,
+            compiled: bool = False) -> dict:
     from hpcgpu.runtime import slots as eng
 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
-                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None)
+                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None, compile=compiled)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
     if attention == "sdpa" and engine.varlen:  # the masked-view path the engine takes without the varlen kernel
         engine.varlen, engine.varlen_off_why = False, "--attention sdpa"
@@ -48,6 +49,7 @@ def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
+        engine.prepare()
         engine.run(lambda: todo.pop(0) if todo else None, emit, lambda: False)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0 - engine.capture_s
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--slots", default="64,256,512")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--compile", default="off", help="on, off or both: the decode forward through torch.compile")
     ap.add_argument("--attention", default="varlen", help="varlen, sdpa (the masked view) or both, per slot count")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -76,7 +79,8 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         try:
             for attention in (["varlen", "sdpa"] if args.attention == "both" else [args.attention]):
-                print(json.dumps(measure(model, ids, slots, args.new, attention)), flush=True)
+                for compiled in ([False, True] if args.compile == "both" else [args.compile == "on"]):
+                    print(json.dumps(measure(model, ids, slots, args.new, attention, compiled)), flush=True)
         except Exception as exc:  # report and go on to the next setting
             print(json.dumps({"slots": slots, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
     if args.profile:
@@ -89,7 +93,7 @@ def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, 
     from hpcgpu.runtime import slots as eng
 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
-                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None)
+                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None, compile=compiled)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
     if attention == "sdpa" and engine.varlen:  # the masked-view path the engine takes without the varlen kernel
         engine.varlen, engine.varlen_off_why = False, "--attention sdpa"

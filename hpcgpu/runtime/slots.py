@@ -279,6 +279,7 @@ class EngineSettings:
     seed: int
     stop_at: Callable[[list[int], int], int | None] | None  # (tokens, checked before) -> count at a stop string
     refill: bool = True
+    compile: bool = False  # the decode forward through torch.compile (inductor) before its capture
 
 
 class SlotEngine:
@@ -321,6 +322,12 @@ class SlotEngine:
         self.pool: Any = None
         self.capture_s = 0.0
         self.graphs_off_why: str | None = None if device.type == "cuda" else "not on a GPU"
+        # inductor fuses a layer's ~40 small kernels (norms, rotary, residuals) into a few: at 64 slots a
+        # captured step was ~4 ms of launches against ~0.3 ms of bytes. One width only: a compile a width
+        self.compile_off_why = (None if settings.compile and self.varlen else
+                                "not asked" if not settings.compile else "more than one view width")
+        self.forward: Callable[..., torch.Tensor] = (torch.compile(self._logits, dynamic=False)
+                                                     if self.compile_off_why is None else self._logits)
         register_decode_attention()
         self.row: list[int] = [-1] * n  # the input row each slot runs, -1: free
         self.gen: list[list[int]] = [[] for _ in range(n)]
@@ -435,14 +442,16 @@ class SlotEngine:
     def _decode_steps(self, width: int) -> None:
         cols = self.cols[:, :width]
         for i in range(self.steps):
-            mask = self.step_mask(cols)
-            logits = self.model(input_ids=self.tokens[:, None], position_ids=self.pos[:, None], attention_mask=mask,
-                                use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
+            logits = self.forward(self.tokens, self.pos, self.step_mask(cols))
             nxt = self.s.sampler(logits, self.seeds, self.pos + 1)
             self.hist[:, i] = nxt
             self.tokens.copy_(nxt)
             self.pos.add_(1).clamp_(max=self.pos_cap)
             self.col.add_(1).clamp_(max=width - 1)
+
+    def _logits(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens[:, None], position_ids=pos[:, None], attention_mask=mask, use_cache=True,
+                          **{self.cache_kw: self.cache}).logits[:, -1]
 
     def step_mask(self, cols: torch.Tensor) -> torch.Tensor:
         """The attention mask of one decode step: a 4D additive mask over the view's columns, or for the
@@ -459,7 +468,8 @@ class SlotEngine:
     def attention(self) -> str:
         """How decode steps attend, for the start-up line."""
         if self.varlen:
-            return "flash varlen over each slot's live columns"
+            how = "compiled" if self.compile_off_why is None else "uncompiled"
+            return f"flash varlen over each slot's live columns, {how}"
         return f"sdpa over {len(self.widths)} view width(s) ({self.varlen_off_why})"
 
     def decode(self) -> list[list[int]]:
@@ -502,6 +512,13 @@ class SlotEngine:
             self.graphs[width] = graph
         except Exception as exc:  # a model whose forward syncs or allocates outside the graph's pool
             first = next((x for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            if self.compile_off_why is None:  # torch.compile's failure: the same steps uncompiled
+                self.compile_off_why = f"torch.compile failed ({first[:200]})"
+                log.warning(f"{self.compile_off_why}: decode steps run uncompiled")
+                self.forward = self._logits
+                for t, saved in zip((self.tokens, self.pos, self.col), state):
+                    t.copy_(saved)
+                return self._capture(width)
             self.graphs_off_why = f"CUDA graph capture failed ({first[:200]})"
             log.warning(f"{self.graphs_off_why}: decode steps run uncaptured")
         for t, saved in zip((self.tokens, self.pos, self.col), state):
