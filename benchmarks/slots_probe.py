@@ -32,11 +32,8 @@ def measure(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, 
     from hpcgpu.runtime import slots as eng
 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
-                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None, compile=compiled)
+                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None, compile=compiled, attention=attention)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
-    if attention == "sdpa" and engine.varlen:  # the masked-view path the engine takes without the varlen kernel
-        engine.varlen, engine.varlen_off_why = False, "--attention sdpa"
-        engine.widths = eng.view_widths(settings.width)
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # longest first, as the task takes them
     chunk = max(1, slots // 4)
     todo = [order[i:i + chunk] for i in range(0, len(order), chunk)]
@@ -67,7 +64,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--compile", default="off", help="on, off or both: the decode forward through torch.compile")
-    ap.add_argument("--attention", default="varlen", help="varlen, sdpa (the masked view) or both, per slot count")
+    ap.add_argument("--attention", default="varlen", help="flex, varlen, sdpa (the masked view), or a comma list, per slot count")
     args = ap.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)
     model = llama_400m()
@@ -78,13 +75,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
-            for attention in (["varlen", "sdpa"] if args.attention == "both" else [args.attention]):
+            for attention in args.attention.split(","):
                 for compiled in ([False, True] if args.compile == "both" else [args.compile == "on"]):
                     print(json.dumps(measure(model, ids, slots, args.new, attention, compiled)), flush=True)
         except Exception as exc:  # report and go on to the next setting
             print(json.dumps({"slots": slots, "error": f"{type(exc).__name__}: {exc}"[:400]}), flush=True)
     if args.profile:
-        profile(model, ids, args.profile, args.new, args.attention if args.attention != "both" else "varlen")
+        profile(model, ids, args.profile, args.new, args.attention.split(",")[0])
 
 
 def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, attention: str) -> None:
@@ -93,11 +90,8 @@ def profile(model: torch.nn.Module, ids: list[list[int]], slots: int, new: int, 
     from hpcgpu.runtime import slots as eng
 
     settings = eng.EngineSettings(slots=slots, width=eng.cache_width(ids, new), max_new_tokens=new, eos=[], pad=0,
-                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None, compile=compiled)
+                                  sampler=eng.Sampler(0.0, 0, 1.0), seed=0, stop_at=None, attention=attention)
     engine = eng.SlotEngine(model, torch.device("cuda"), ids, settings)
-    if attention == "sdpa" and engine.varlen:  # the masked-view path the engine takes without the varlen kernel
-        engine.varlen, engine.varlen_off_why = False, "--attention sdpa"
-        engine.widths = eng.view_widths(settings.width)
     engine.graphs_off_why = "profiled uncaptured"
     with torch.inference_mode():
         engine.emit = engine.prefill([(s, s) for s in range(slots)])

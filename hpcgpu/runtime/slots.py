@@ -40,8 +40,17 @@ WIDTH_BUCKET = 64  # cache columns rounded up to this: aligned rows for the atte
 PREFILL_TOKENS = 16384  # padded tokens of one prefill forward at most: bounds its activations
 SYNC_STEPS = {"cuda": 8, "cpu": 1}  # decode steps per replay between two looks from the host
 VIEWS = 8  # view widths captured at most
+FLEX_BLOCK = 64  # flex_attention's block mask: columns a block (WIDTH_BUCKET: whole blocks)
 REFILL_SHARE = 8  # prefill once 1/8 of the slots are free (or none is running): fewer, fuller prefills
 INT64 = 1 << 64
+try:  # decode needs no backward: skip the block mask's transposed (query-block) copy where torch can
+    import inspect as _inspect
+    from torch.nn.attention.flex_attention import BlockMask as _BlockMask
+
+    FLEX_KW = ({"compute_q_blocks": False}
+               if "compute_q_blocks" in _inspect.signature(_BlockMask.from_kv_blocks).parameters else {})
+except ImportError:  # torch without flex_attention
+    FLEX_KW = {}
 
 
 # ---------------------------------------------------------------- which models
@@ -200,6 +209,12 @@ def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     n, heads, q_len, dim = query.shape
+    if type(attention_mask).__name__ == "BlockMask":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling,
+                             enable_gqa=heads != key.shape[1])
+        return out.transpose(1, 2), None
     if key.dim() == 3:
         cu_q, cu_k, used, width = VARLEN["args"]
         out = torch.ops.aten._flash_attention_forward(
@@ -216,26 +231,36 @@ def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     return out.reshape(n, 1, heads, dim), None
 
 
-def varlen_refusal(model: Any, device: torch.device) -> str | None:
-    """Why decode steps cannot use the flash varlen kernel here (then: sdpa over a masked view), or None."""
+def attention_mode(model: Any, device: torch.device, settings: "EngineSettings") -> tuple[str, str | None]:
+    """How decode steps attend, and why not the faster way: "flex" (flex_attention over each slot's live
+    blocks, compiled), "varlen" (PyTorch's flash varlen kernel over each slot's live columns) or "sdpa"
+    (a 4D mask over the narrowest view width the running rows fit)."""
     config = model.config
     dtype = next(model.parameters()).dtype
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else 0)
-    if device.type != "cuda":
-        return "not on a GPU"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"{str(dtype).replace('torch.', '')} weights (the kernel takes fp16 and bf16)"
-    if not dim or dim % 8 or dim > 256:
-        return f"head dim {dim}"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "a GPU older than sm80"
+    asked = settings.attention
     if (getattr(config, "_attn_implementation", None) or "eager") != "sdpa":
-        return f"attention {config._attn_implementation!r}"
+        return "sdpa", f"attention {config._attn_implementation!r}"
+    if asked == "sdpa":
+        return "sdpa", "asked"
+    if asked == "flex" or (asked == "auto" and settings.compile and device.type == "cuda"):
+        if dim >= 16 and dim & (dim - 1) == 0:
+            return "flex", None
+        if asked == "flex":
+            return "sdpa", f"head dim {dim} (flex_attention takes powers of 2 from 16)"
+    if device.type != "cuda":
+        return "sdpa", "not on a GPU"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa", f"{str(dtype).replace('torch.', '')} weights (the varlen kernel takes fp16 and bf16)"
+    if not dim or dim % 8 or dim > 256:
+        return "sdpa", f"head dim {dim}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "sdpa", "a GPU older than sm80"
     if "seqused_k" not in str(torch.ops.aten._flash_attention_forward.default._schema):
-        return f"torch {torch.__version__} has no seqused_k"
-    return None
+        return "sdpa", f"torch {torch.__version__} has no seqused_k"
+    return "varlen", None
 
 
 def register_decode_attention() -> None:
@@ -280,6 +305,7 @@ class EngineSettings:
     stop_at: Callable[[list[int], int], int | None] | None  # (tokens, checked before) -> count at a stop string
     refill: bool = True
     compile: bool = False  # the decode forward through torch.compile (inductor) before its capture
+    attention: str = "auto"  # flex, varlen, sdpa or auto (attention_mode)
 
 
 class SlotEngine:
@@ -307,15 +333,18 @@ class SlotEngine:
         self.neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         self.cache: Any = None
         self.view = {"width": settings.width}
-        # flash varlen reads each slot's live columns whatever the width: one width, one graph
-        self.varlen_off_why = varlen_refusal(model, device)
-        self.varlen = self.varlen_off_why is None
-        self.widths = [settings.width] if self.varlen else view_widths(settings.width)
+        # how a decode step attends (attention_mode): flex and varlen read each slot's live blocks or columns
+        # whatever the width: one width, one graph, one compile
+        self.mode, self.mode_why = attention_mode(model, device, settings)
+        self.widths = [settings.width] if self.mode != "sdpa" else view_widths(settings.width)
         int32 = dict(dtype=torch.int32, device=device)
         self.cu_q = torch.arange(n + 1, **int32)
         self.base = torch.arange(n, **long) * settings.width
         self.total = torch.full((1,), n * settings.width, **int32)
         self.no_mask = torch.zeros((n, 1, 1, 1), dtype=dtype, device=device)  # a 4D mask transformers passes on
+        self.blocks = torch.arange(-(-settings.width // FLEX_BLOCK), **long)
+        start, col = self.start, self.col
+        self.live = lambda b, h, q, kv: (kv >= start[b]) & (kv <= col[b])  # flex's mask_mod: a slot's span
         self.col_host = [0] * n  # col, as the host knows it for the running rows
         self.graphs: dict[int, Any] = {}  # view width -> its captured steps
         self.replays = 0  # decode calls: SYNC_STEPS steps each
@@ -324,7 +353,7 @@ class SlotEngine:
         self.graphs_off_why: str | None = None if device.type == "cuda" else "not on a GPU"
         # inductor fuses a layer's ~40 small kernels (norms, rotary, residuals) into a few: at 64 slots a
         # captured step was ~4 ms of launches against ~0.3 ms of bytes. One width only: a compile a width
-        self.compile_off_why = (None if settings.compile and self.varlen else
+        self.compile_off_why = (None if settings.compile and self.mode != "sdpa" else
                                 "not asked" if not settings.compile else "more than one view width")
         self.forward: Callable[..., torch.Tensor] = (torch.compile(self._logits, dynamic=False)
                                                      if self.compile_off_why is None else self._logits)
@@ -422,7 +451,7 @@ class SlotEngine:
         self.cache_kv = [(torch.zeros((n, w, k.shape[1], k.shape[3]), dtype=k.dtype, device=self.device),
                           torch.zeros((n, w, v.shape[1], v.shape[3]), dtype=v.dtype, device=self.device))
                          for k, v in kv]
-        self.cache = slot_cache(self.cache_kv, self.col, self.view, flat=self.varlen)
+        self.cache = slot_cache(self.cache_kv, self.col, self.view, flat=self.mode == "varlen")
 
     # ------------------------------------------------ decode
 
@@ -453,10 +482,19 @@ class SlotEngine:
         return self.model(input_ids=tokens[:, None], position_ids=pos[:, None], attention_mask=mask, use_cache=True,
                           **{self.cache_kw: self.cache}).logits[:, -1]
 
-    def step_mask(self, cols: torch.Tensor) -> torch.Tensor:
-        """The attention mask of one decode step: a 4D additive mask over the view's columns, or for the
-        varlen kernel its per-slot spans (VARLEN) and a placeholder mask."""
-        if self.varlen:
+    def step_mask(self, cols: torch.Tensor) -> Any:
+        """The attention mask of one decode step: flex's BlockMask of each slot's live blocks, for the
+        varlen kernel its per-slot spans (VARLEN) and a placeholder mask, or a 4D additive mask over the
+        view's columns."""
+        if self.mode == "flex":
+            from torch.nn.attention.flex_attention import BlockMask
+
+            first, last = self.start // FLEX_BLOCK, self.col // FLEX_BLOCK
+            count = (last - first + 1).to(torch.int32)[:, None, None]
+            index = (first[:, None] + self.blocks[None, :]).clamp(max=len(self.blocks) - 1).to(torch.int32)
+            return BlockMask.from_kv_blocks(count, index[:, None, None, :], BLOCK_SIZE=FLEX_BLOCK, mask_mod=self.live,
+                                            seq_lengths=(1, self.s.width), **FLEX_KW)
+        if self.mode == "varlen":
             cu_k = torch.cat([(self.base + self.start).to(torch.int32), self.total])
             used = (self.col - self.start + 1).to(torch.int32)
             VARLEN["args"] = (self.cu_q, cu_k, used, self.s.width)
@@ -467,10 +505,12 @@ class SlotEngine:
     @property
     def attention(self) -> str:
         """How decode steps attend, for the start-up line."""
-        if self.varlen:
-            how = "compiled" if self.compile_off_why is None else "uncompiled"
+        how = "compiled" if self.compile_off_why is None else "uncompiled"
+        if self.mode == "flex":
+            return f"flex_attention over each slot's live blocks, {how}"
+        if self.mode == "varlen":
             return f"flash varlen over each slot's live columns, {how}"
-        return f"sdpa over {len(self.widths)} view width(s) ({self.varlen_off_why})"
+        return f"sdpa over {len(self.widths)} view width(s) ({self.mode_why})"
 
     def decode(self) -> list[list[int]]:
         """SYNC_STEPS decode steps over the narrowest view every running row fits for them."""
@@ -516,6 +556,11 @@ class SlotEngine:
                 self.compile_off_why = f"torch.compile failed ({first[:200]})"
                 log.warning(f"{self.compile_off_why}: decode steps run uncompiled")
                 self.forward = self._logits
+                if self.mode == "flex":  # flex_attention uncompiled is a reference, not a kernel: masks
+                    self.mode, self.mode_why = "sdpa", self.compile_off_why
+                    self.widths = view_widths(self.s.width)
+                    self.cache = slot_cache(self.cache_kv, self.col, self.view)
+                    width = self.widths[-1]
                 for t, saved in zip((self.tokens, self.pos, self.col), state):
                     t.copy_(saved)
                 return self._capture(width)

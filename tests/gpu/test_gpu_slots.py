@@ -92,7 +92,7 @@ def test_half_precision_engine_takes_the_varlen_kernel_and_gives_generates_token
     want = BatchRunner(sp, model, codec, ids, rows, device)
     want = {i: want.run(i, [i]).records[0] for i in range(ROWS)}
     runner = SlotRunner(sp, model, codec, ids, rows, device, slots=6)
-    assert runner.engine.varlen, runner.engine.varlen_off_why
+    assert runner.engine.mode == "varlen", runner.engine.mode_why
     got = run(runner)
     assert len(runner.engine.graphs) == 1 and runner.engine.graphs_off_why is None, runner.engine.graphs_off_why
     same = sum(got[i] == want[i] for i in range(ROWS))

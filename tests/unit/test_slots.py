@@ -180,3 +180,25 @@ def test_refill_off_takes_new_rows_only_when_every_slot_is_free() -> None:
     off.engine.prefill = counted
     assert run(off, ids, chunk=4) == run(on, ids, chunk=4)  # the same rows either way
     assert fills == [4] * (ROWS // 4)  # fixed batches of 4
+
+
+def test_flex_block_masks_give_generates_tokens() -> None:
+    """The flex_attention path (what a GPU compiles): each slot reads its own live blocks, rows of mixed
+    lengths refilling 5 slots, against model.generate row by row (flex_attention's reference, on the CPU)."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcgpu.runtime.slots import SlotEngine
+
+    config = AutoConfig.for_model(vocab_size=256, initializer_range=0.5, **{**CONFIGS["llama"], "hidden_size": 64})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model.generation_config.pad_token_id = 0
+    rows, ids = rows_and_ids(3)
+    ids = [x * 2 for x in ids]  # rows past one 64-column block
+    sp = spec()
+    runner = SlotRunner(sp, model, Codec(ByteTokenizer(), "tiny"), ids, rows, torch.device("cpu"), slots=5)
+    runner.engine = SlotEngine(model, torch.device("cpu"), ids, replace(runner.engine.s, attention="flex"))
+    assert runner.engine.mode == "flex", runner.engine.mode_why
+    assert run(runner, ids) == reference(sp, model, ids, rows)

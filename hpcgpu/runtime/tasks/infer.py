@@ -452,7 +452,8 @@ class SlotRunner:
         settings = slot_engine.EngineSettings(
             slots=slots, width=slot_engine.cache_width(ids, inf.max_new_tokens), max_new_tokens=inf.max_new_tokens,
             eos=eos, pad=pad, sampler=slot_engine.Sampler(inf.temperature, inf.top_k, inf.top_p), seed=inf.seed,
-            stop_at=stop_finder(inf.stop, codec) if inf.stop else None, refill=inf.refill)
+            stop_at=stop_finder(inf.stop, codec) if inf.stop else None, refill=inf.refill,
+            compile=device.type == "cuda")
         self.engine = slot_engine.SlotEngine(model, device, ids, settings)
 
     def describe(self) -> dict[str, Any]:
