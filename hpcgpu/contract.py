@@ -83,6 +83,12 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     @property
+    def compile_cache(self) -> Path:
+        """torch.compile's inductor and Triton caches (TORCHINDUCTOR_CACHE_DIR) of the run's jobs: a
+        requeued or resumed job on any node finds the kernels its first start compiled."""
+        return self.run_dir / "compile-cache"
+
+    @property
     def outputs(self) -> Path:
         """task: infer: one row per input row, in input order (merged at the end)."""
         return self.run_dir / "outputs.jsonl"

@@ -498,7 +498,8 @@ def make_engine(spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows
     runner = SlotRunner(spec, model, codec, ids, rows, device, batch)
     e = runner.engine
     e.prepare()
-    graphs = (f"decode steps as CUDA graphs of {e.steps} at {len(e.graphs)} view width(s), captured in "
+    made = "compiled and captured" if e.compile_off_why is None else "captured"
+    graphs = (f"decode steps as CUDA graphs of {e.steps} at {len(e.graphs)} view width(s), {made} in "
               f"{e.capture_s:.1f}s" if e.graphs else f"decode steps uncaptured ({e.graphs_off_why})")
     log.info(f"engine: slots: {batch} slots of {e.s.width} tokens (the longest row, rounded up), {graphs}, "
              f"attention: {e.attention}, refill {'on' if e.s.refill else 'off'}")
@@ -871,6 +872,8 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     if ctx.is_main:
         outputs.repair_all(paths)
     ctx.barrier()  # no replica reads the replica files before they are whole
+    if why is None and ctx.device.type == "cuda":  # the slot engine compiles its decode step: cached in the run
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.compile_cache))
     engine = make_engine(spec, model, codec, ids, rows, ctx.device, plan.inference.batch_size, why)
     tracking = metrics.tracking
     if tracking is not None:
