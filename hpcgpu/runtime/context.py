@@ -20,13 +20,14 @@ import contextlib
 import gc
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sized
 
 import torch
 
-from hpcgpu.contract import ENV_SPEC, RunPaths
+from hpcgpu.contract import ENV_SPEC, RunPaths, attempt_id
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
@@ -40,6 +41,7 @@ from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.plan import RunPlan, plan_own_loop
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
 from hpcgpu.runtime.stop import StopNote, stop_job
+from hpcgpu.runtime.watchdog import Watchdog, beat
 from hpcgpu.spec import Spec, dump_spec, load_spec
 
 log = logging.getLogger("hpcgpu")
@@ -57,6 +59,7 @@ class Context:
     engine: Engine | None = None  # what ctx.prepare set up
     loaders: list[ResumableLoader] = field(default_factory=list)  # every ctx.data_loader: saved by ctx.save
     loader_states: list[dict[str, int]] = field(default_factory=list)  # resumed, for loaders made after resume
+    watchdog: Watchdog | None = None  # this rank's progress watchdog (runtime/watchdog.py)
     _metrics: MetricsWriter | None = None
     _closed: bool = False
 
@@ -163,6 +166,12 @@ class Context:
         state = {"step": step, "prepared": engine.rank_state(),
                  "loaders": [loader.state_dict() for loader in self.loaders]}
         engine.save(self.checkpoint, step, state, {"restart_count": self.env.restart_count}, blocking=blocking)
+        beat()
+
+    def heartbeat(self) -> None:
+        """Progress, for the watchdog (distributed.hang_timeout_s), from a loop that has no ctx.step,
+        ctx.data_loader batch or ctx.save for long stretches."""
+        beat()
 
     def resume(self) -> int:
         """Collective: restore the newest complete checkpoint; returns its step, or 0 without one."""
@@ -207,6 +216,8 @@ class Context:
         """finish_saves: wait for a background checkpoint (collective); not when leaving on an error."""
         if not self._closed:
             self._closed = True
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if finish_saves and self.checkpoint is not None:
                 self.checkpoint.close()
             if self._metrics is not None:
@@ -258,6 +269,9 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     _dist.set_cpu_threads(device)
     run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    ctx.watchdog = Watchdog(run_dir, attempt_id(), env.rank, node,
+                            spec_obj.distributed.hang_timeout_s if spec_obj else None).start()
     if spec_obj is not None:
         ctx.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
     ctx.stop_flag.install(stop_signals(spec_obj))

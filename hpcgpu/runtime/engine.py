@@ -37,6 +37,7 @@ from hpcgpu.runtime.deepspeed_strategy import DeepSpeedPayload, DeepSpeedRun
 from hpcgpu.runtime.plan import RunPlan
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.strategy import ddp_options, describe_ddp
+from hpcgpu.runtime.watchdog import beat
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
@@ -170,6 +171,7 @@ class Engine:
     def optimizer_step(self) -> None:
         """Clip, step, update the scale, zero the gradients, step the scheduler (DeepSpeed's engine
         does all of it, at its accumulation boundary)."""
+        beat()
         if self.ds is not None:
             self.model.step()
             return

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Sampler
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.recommend import loader_workers
 from hpcgpu.runtime.plan import RunPlan
+from hpcgpu.runtime.watchdog import beat
 
 ORDER_SEED_STRIDE = 1_000_003  # as BatchSchedule: seed s, epoch e -> generator seed s * stride + e
 
@@ -154,6 +155,7 @@ class ResumableLoader:
         self._begin()
         for batch in self.loader:
             self.pos.batches += 1
+            beat()
             yield batch
 
     def state_dict(self) -> dict[str, int]:

@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hpcgpu.runtime.watchdog import beat
+
 log = logging.getLogger("hpcgpu")
 
 # architectures whose decode the tests check token for token against model.generate
@@ -387,6 +389,7 @@ class SlotEngine:
                     return 0
                 continue
             emit(self.advance(self.decode()))
+            beat()
 
     def prefill(self, pairs: list[tuple[int, int]]) -> list[Done]:
         """Prompts into their slots, in forwards of PREFILL_TOKENS padded tokens at most; each row's

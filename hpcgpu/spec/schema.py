@@ -159,6 +159,10 @@ class Distributed:
     ddp: Ddp = field(default_factory=Ddp, metadata=meta("DistributedDataParallel settings (strategy ddp)"))
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed, metadata=meta("DeepSpeed settings"))
     nccl: Nccl = field(default_factory=Nccl, metadata=meta("NCCL settings exported before init"))
+    hang_timeout_s: Optional[int] = field(default=None, metadata=meta(
+        "a rank with no progress (a step, a batch, a checkpoint, ctx.heartbeat()) for this long prints its "
+        "stacks and ends the job FAILED, naming it and where it was; 3x before the first progress. "
+        "null: max(300, 20x the median time between its progress)", min=5))
     sync_batchnorm: Union[bool, Literal["auto"]] = field(default="auto", metadata=meta(
         "ctx.prepare turns BatchNorm layers into SyncBatchNorm (statistics over every rank's batch); "
         "auto: when the model has BatchNorm and several GPU ranks. CPU ranks keep plain BatchNorm "

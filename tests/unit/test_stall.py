@@ -7,7 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import job_env, kill_leftovers, rank_processes, submit_cmd, write_spec_file
+from conftest import job_env, kill_leftovers, only_run_dir, rank_processes, submit_cmd, write_spec_file
+from hpcgpu.contract import first_failure
 
 STALLING = '''
 import time
@@ -49,6 +50,11 @@ def test_a_rank_stalled_in_a_checkpoint_save_ends_the_job_within_its_timeout(tmp
     assert proc.returncode not in (0, 75), out[-3000:]  # a failure, not a finish or a preemption
     assert took < TIMEOUT_S + 100, took
     assert not rank_processes(str(tmp_path))  # the stalled rank did not outlive the job
+    # the rank that stalled is the failure, with where it was; rank 0, which timed out waiting, is not
+    failure = first_failure(only_run_dir(tmp_path / "runs", "stall"))
+    assert failure is not None and failure.rank == 1, (failure, out[-2000:])
+    assert "made no progress" in failure.message and "main at stalling.py:" in failure.message, failure
+    assert "rank 0 timed out waiting" in failure.message, failure
 
 
 KILLED = '''
@@ -74,9 +80,6 @@ def test_a_rank_killed_by_sigkill_is_the_failure_and_the_likely_cause_is_named(t
     import json
     import sys
 
-    from conftest import only_run_dir
-    from hpcgpu.contract import first_failure
-
     (tmp_path / "killed.py").write_text(KILLED)
     spec = write_spec_file(tmp_path, {"name": "killed", "task": "callable", "entry": "killed:main",
                                       "resources": {"gpus": 2, "cpus_per_gpu": 1},
@@ -90,3 +93,33 @@ def test_a_rank_killed_by_sigkill_is_the_failure_and_the_likely_cause_is_named(t
                                        text=True, timeout=60, env=job_env(), check=True).stdout)
     job = next(j for j in listed if j["name"] == "killed")
     assert job["state"] == "FAILED" and job["failure"]["rank"] == 1 and "out-of-memory" in job["failure"]["message"]
+
+
+HUNG = '''
+import time
+
+
+def main(ctx):
+    ctx.heartbeat()
+    time.sleep(3600)  # no progress from here on
+    return 0
+'''
+
+
+def test_a_rank_without_progress_prints_its_stacks_and_fails_naming_where_it_was(tmp_path: Path) -> None:
+    """distributed.hang_timeout_s: the watchdog of a rank that stopped making progress (no peer to time
+    out on it) ends the job FAILED: the reason names the rank and the function and line it sits in, and
+    its log holds every thread's stack."""
+    (tmp_path / "hung.py").write_text(HUNG)
+    spec = write_spec_file(tmp_path, {"name": "hung", "task": "callable", "entry": "hung:main",
+                                      "resources": {"gpus": 1, "cpus_per_gpu": 1},
+                                      "distributed": {"hang_timeout_s": 6}})
+    out = subprocess.run(submit_cmd(spec), capture_output=True, text=True, timeout=150, env=job_env(), cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    run_dir = only_run_dir(tmp_path / "runs", "hung")
+    failure = first_failure(run_dir)
+    assert failure is not None and failure.rank == 0, failure
+    assert "made no progress for" in failure.message and "main at hung.py:7" in failure.message, failure
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "the stacks of its threads" in log and "most recent call first" in log, log[-2000:]
+    assert not rank_processes(str(tmp_path))

@@ -13,6 +13,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.requeue import TornDown, peer_failure, requeue_after_crash
 from hpcgpu.runtime.tasks.command import run_command
+from hpcgpu.runtime.watchdog import stalled_peer
 from hpcgpu.spec import Spec
 
 MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
@@ -86,6 +87,12 @@ def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
 def crashed(env: DistEnv, spec: Spec, run_dir: Path, exc: BaseException) -> None:
     """Record the crash (or name the peer whose death broke a collective) and requeue if asked."""
     first = failed_first(env, run_dir)
+    if first is None:
+        # a peer that stopped making progress outside a collective (its watchdog's progress file) for
+        # half the time this rank waited for it is the failure; this rank's timeout follows from it
+        first = stalled_peer(run_dir, attempt_id(), env.rank, spec.distributed.nccl.timeout_s / 2)
+        if first is not None:
+            record_failure(run_dir, first)
     if first is None:
         record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
     else:  # a collective broke because a peer died: that peer's failure is the job's

@@ -63,6 +63,7 @@ from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.requeue import mark_finished
 from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
 from hpcgpu.runtime.track import open_tracking
+from hpcgpu.runtime.watchdog import beat
 from hpcgpu.runtime.model import load_for_inference, model_config, not_in_cache, placement
 from hpcgpu.runtime.plan import (DTYPE_OF_PRECISION, RunPlan, check_recorded, chunk_rows, gpu_memory_reading,
                                  infer_precision, plan_infer, recorded_plan, with_replicas)
@@ -763,6 +764,7 @@ class Sink:
         self.flushed_at = time.perf_counter()
 
     def emit(self, result: BatchResult) -> None:
+        beat()
         if self.emitted == 0:
             self.times.first_batch_s = time.perf_counter() - self.times.started - self.times.write_s
         self.emitted += 1
