@@ -37,6 +37,7 @@ from hpcgpu.runtime.deepspeed_strategy import DeepSpeedPayload, DeepSpeedRun
 from hpcgpu.runtime.plan import RunPlan
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.strategy import ddp_options, describe_ddp
+from hpcgpu.runtime import watchdog
 from hpcgpu.runtime.watchdog import beat
 from hpcgpu.spec import Spec
 
@@ -226,10 +227,12 @@ class Engine:
     def save(self, ckpt: CheckpointManager, step: int, state: dict[str, Any], meta: dict[str, Any],
              blocking: bool | None = None) -> None:
         """Collective: a step-N checkpoint of the payload and `state` (the caller's) with every RNG."""
-        ckpt.save(step, self.payload(), {**state, "rng": rng_state(self.device)}, meta, blocking=blocking)
+        with watchdog.slow():
+            ckpt.save(step, self.payload(), {**state, "rng": rng_state(self.device)}, meta, blocking=blocking)
 
     def save_best(self, ckpt: CheckpointManager, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        ckpt.save_best(self.payload(), {**state, "rng": rng_state(self.device)}, meta)
+        with watchdog.slow():
+            ckpt.save_best(self.payload(), {**state, "rng": rng_state(self.device)}, meta)
 
     def resume(self, ckpt: CheckpointManager, rank: int) -> tuple[Path, dict[str, Any]] | None:
         """Collective: the newest complete checkpoint's model and optimizer loaded, and the RNG where
@@ -238,7 +241,8 @@ class Engine:
         if not complete_checkpoints(ckpt.root):
             return None
         payload = self.payload()
-        loaded = ckpt.load_latest(payload)
+        with watchdog.slow():
+            loaded = ckpt.load_latest(payload)
         if loaded is None:
             if self.ds is None:
                 self.optimizer.state.clear()  # get_state_dict primed it with a zero-lr step; start clean

@@ -8,14 +8,17 @@ checks every CHECK_S:
   last beat and where the main thread is now (function, file:line; whether inside torch.distributed).
   A peer whose collective timed out reads them (stalled_peer) and names the rank that stopped making
   progress outside a collective, instead of itself: waiting for a stalled rank is not the failure.
-- A rank with no beat for its limit (distributed.hang_timeout_s; by default max(FLOOR_S, STEP_FACTOR
-  x the median time between beats), FIRST_FACTOR times that before the first beat: loading, compiling)
-  prints its threads' stacks (faulthandler) into its log, records the failure ("rank 1 on n2 made no
+- A rank with no beat for its limit prints its threads' stacks (faulthandler) into its log, records the failure ("rank 1 on n2 made no
   progress for 300 s (in save at checkpoint.py:139)", timed at its last beat: it failed when it
   stalled) and exits EXIT_HUNG, which ends the job as a crash (not requeued unless slurm.max_retries).
+  The limit: distributed.hang_timeout_s, FIRST_FACTOR times that before the first beat (loading,
+  compiling). Left null: max(FLOOR_S, STEP_FACTOR x the median time between beats), armed once
+  ARM_BEATS beats have shown the rank's pace: a loop of the user's own that saves once an hour is
+  never cut at 5 minutes. Checkpoint saves and loads (`slow`) get SLOW_FACTOR times the limit.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -25,7 +28,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from hpcgpu.contract import FAILURES_DIR, Failure, record_failure
 
@@ -33,6 +36,8 @@ CHECK_S = 2.0  # how often the thread looks (and rewrites the progress file)
 FLOOR_S = 300.0  # the derived limit is never shorter
 STEP_FACTOR = 20  # the derived limit: this many median beat intervals
 FIRST_FACTOR = 3  # before the first beat: start-up, loading, compiling
+ARM_BEATS = 3  # beats before a derived limit applies
+SLOW_FACTOR = 4  # a checkpoint's save or load: this many limits
 EXIT_HUNG = 1
 ALIVE_S = 4 * CHECK_S  # a progress file older than this: its rank is gone, not stalled
 
@@ -43,6 +48,22 @@ def beat() -> None:
     """Progress in this rank (no-op without a watchdog): one monotonic read and a counter."""
     if _current is not None:
         _current.beat()
+
+
+@contextlib.contextmanager
+def slow(factor: float = SLOW_FACTOR) -> Iterator[None]:
+    """A stretch without beats that may take longer than a step (a checkpoint's save or load)."""
+    dog = _current
+    if dog is None:
+        yield
+        return
+    before = dog.factor
+    dog.factor = before * factor
+    try:
+        yield
+    finally:
+        dog.factor = before
+        dog.beat()
 
 
 def where(frame: Any) -> tuple[str, bool]:
@@ -68,6 +89,7 @@ class Watchdog:
     def __init__(self, run_dir: Path, attempt: str, rank: int, node: str, timeout_s: float | None):
         self.run_dir, self.attempt, self.rank, self.node = run_dir, attempt, rank, node
         self.timeout_s = timeout_s
+        self.factor = 1.0
         self.beats = 0
         self.last = time.monotonic()
         self.last_wall = time.time()
@@ -85,12 +107,14 @@ class Watchdog:
         self.last, self.last_wall = now, time.time()
 
     def limit(self) -> float:
+        """Seconds without a beat before the rank is called stalled (inf: not armed yet)."""
         if self.timeout_s is not None:
-            base = float(self.timeout_s)
+            base = float(self.timeout_s) * (FIRST_FACTOR if self.beats == 0 else 1)
+        elif self.beats >= ARM_BEATS:
+            base = max(FLOOR_S, STEP_FACTOR * statistics.median(self.intervals))
         else:
-            median = statistics.median(self.intervals) if self.intervals else 0.0
-            base = max(FLOOR_S, STEP_FACTOR * median)
-        return base * (FIRST_FACTOR if self.beats == 0 else 1)
+            return float("inf")
+        return base * self.factor
 
     def start(self) -> "Watchdog":
         global _current

@@ -296,7 +296,7 @@ class Infer:
         "(\"70GiB,cpu=200GiB\"); auto: each GPU's free memory less headroom", pattern=r"^[^\x00-\x1f]*$",
         fmt="auto or a size like 70GiB, optionally ',cpu=SIZE'"))
     engine: Literal["slots", "batches"] = field(default="slots", metadata=meta(
-        "generate: slots (a static KV cache of batch_size slots, the decode step captured as a CUDA graph, a "
+        "generate: slots (a static KV cache of batch_size slots, the decode step compiled and captured as a CUDA graph on a GPU, a "
         "row's slot refilled as soon as it ends; a model it does not take runs on batches, with a log line "
         "saying why) or batches (model.generate a batch at a time); score runs on batches"))
     refill: bool = field(default=True, metadata=meta(

@@ -61,6 +61,8 @@ from hpcgpu.runtime.steplog import StepLog
 from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
 from hpcgpu.runtime.strategy import describe_ddp
 from hpcgpu.runtime.track import open_tracking
+from hpcgpu.runtime import watchdog
+from hpcgpu.runtime.watchdog import beat
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
@@ -538,6 +540,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         sequences = self.spec.train.eval_batches * self.tp.global_batch
         for batch in eval_batches(self.eval_blocks, self.micro, sequences, self.ctx.rank, self.world):
+            beat()
             ids, labels, mask = batch_fields(batch_to(batch, self.device))
             with self.engine.autocast():  # the step's forward, uncompiled as the raw model is
                 out = self.raw_model(input_ids=ids, attention_mask=mask)
@@ -897,7 +900,8 @@ def train_to_end(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, 
     if outcome == "stopped":
         return stop_run(ctx, spec, tr, metrics, just_saved=True)
     restore_best(ctx, tr)
-    save_final_model(ctx, tr)
+    with watchdog.slow():  # a multi-GB write, no steps
+        save_final_model(ctx, tr)
     mark_finished(ctx.run_dir, ctx.env)
     metrics.write("end", step=tr.step, tokens=tr.tokens_seen, max_steps=tr.max_steps,
                   early_stopped=outcome == "early_stopped", best_step=tr.best_step)
