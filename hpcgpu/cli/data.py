@@ -121,7 +121,7 @@ def submit_prepare_job(spec_file: str, overrides: tuple[str, ...], output: Optio
     if problems:
         raise UsageError(problems[0])  # found now, not after the job's wait in the queue
     job = prepare_job_spec(spec, spec_file, overrides, output, text_field, workers)
-    for record in submission.submit_to_slurm(job, [], str(Path(spec_file).resolve()), Registry()):
+    for record in submission.submit_to_slurm(job, [], str(Path(spec_file).resolve()), Registry(), fresh=True):
         print_submitted(record, job)
 
 

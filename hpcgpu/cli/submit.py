@@ -32,7 +32,8 @@ def say(message: str) -> None:
 @click.option("--wait", is_flag=True,
               help="SLURM: wait for the job and exit with its status (the code of the rank that failed first).")
 @click.option("--new", "fresh", is_flag=True,
-              help="Local executor: start a fresh run dir instead of resuming an unfinished run of the same spec.")
+              help="Start a fresh run dir instead of resuming the unfinished run of the same spec (one job; "
+                   "a sweep always starts fresh).")
 @ignore_busy_option
 def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, executor: str,
            sweeps: tuple[str, ...], dry_run: bool, wait: bool, fresh: bool, ignore_busy: bool) -> int:
@@ -42,16 +43,16 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     spec_ref = str(Path(spec_file).resolve())
     if executor == "local":
         return run_here(resolved, spec_ref, dry_run, fresh, ignore_busy)
-    return submit_slurm(resolved, spec_ref, dry_run, wait)
+    return submit_slurm(resolved, spec_ref, dry_run, wait, fresh)
 
 
 # --- SLURM ----------------------------------------------------------------------------------------
 
-def submit_slurm(resolved: Resolved, spec_ref: str, dry_run: bool, wait: bool) -> int:
+def submit_slurm(resolved: Resolved, spec_ref: str, dry_run: bool, wait: bool, fresh: bool = False) -> int:
     if dry_run:
         return print_dry_run(resolved)
     registry = Registry()
-    records = submission.submit_to_slurm(resolved.spec, resolved.tasks, spec_ref, registry)
+    records = submission.submit_to_slurm(resolved.spec, resolved.tasks, spec_ref, registry, fresh, say)
     for record in records:
         print_submitted(record, resolved.spec)
     if not wait:

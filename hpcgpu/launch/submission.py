@@ -5,20 +5,24 @@ cluster's MaxArraySize), one resolved spec and run dir per task.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from hpcgpu.contract import RunPaths
+from hpcgpu.contract import RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError, SchedulerError
 from hpcgpu.launch.options import per_node_text, sbatch_options
 from hpcgpu.launch.preflight import check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import make_run_dir, run_dir_path
+from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_of_this_spec, write_atomic
+from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
 from hpcgpu.launch.sweep import SweepTask, array_chunks, array_range, check_one_script, write_sweep
-from hpcgpu.spec import Spec
+from hpcgpu.spec import Spec, dump_spec
 
 Options = list[tuple[str, "str | None"]]
 
@@ -64,16 +68,52 @@ def submit_plan(plan: Plan) -> str:
     return submit_command(plan.folder, plan.options, plan.command)
 
 
-def submit_single(spec: Spec, spec_file: str, registry: Registry) -> JobRecord:
+def submit_single(spec: Spec, spec_file: str, registry: Registry, fresh: bool = False,
+                  say: Callable[[str], None] = lambda line: None) -> JobRecord:
+    """One SLURM job of `spec`: in the newest unfinished run dir of the identical spec, resumed from its
+    last complete checkpoint (as the local executor does), unless `fresh` or a job of it may still run."""
     check_cluster(spec)
     registry.check()  # a damaged or locked-out registry stops here: no job reaches SLURM untracked
-    run_dir = make_run_dir(spec)
+    with contextlib.ExitStack() as held:
+        run_dir = None if fresh else resumable_run(spec, registry, held, say)
+        made = run_dir is None
+        run_dir = make_run_dir(spec) if run_dir is None else run_dir
+        try:
+            job_id = submit_plan(single_plan(spec, run_dir))
+        except HpcgpuError:
+            if made:
+                shutil.rmtree(run_dir, ignore_errors=True)  # made a moment ago for this job, which never was
+            raise
+        return registry.add(JobRecord(job_id, spec.name, spec_file, str(run_dir), "slurm"))
+
+
+def resumable_run(spec: Spec, registry: Registry, held: contextlib.ExitStack,
+                  say: Callable[[str], None]) -> Path | None:
+    """The newest unfinished run dir of the identical spec whose every job has ended (the registry's
+    rows, brought up to date), claimed for this submission (a lock that a concurrent submit of the same
+    spec finds taken); None: a new run dir. A dir with a job that may still run, or with none recorded
+    (a submission in flight), is never a second job's."""
+    from hpcgpu.launch.state import is_final, refresh  # the scheduler's queries: only on this path
+
+    run_dir = next((d for d in runs_of_this_spec(spec) if not is_finished(d)), None)
+    if run_dir is None:
+        return None
+    claim = open(run_dir / ".submit.lock", "a")
+    held.callback(claim.close)
     try:
-        job_id = submit_plan(single_plan(spec, run_dir))
-    except HpcgpuError:
-        shutil.rmtree(run_dir, ignore_errors=True)  # made a moment ago for this job, which never was
-        raise
-    return registry.add(JobRecord(job_id, spec.name, spec_file, str(run_dir), "slurm"))
+        fcntl.flock(claim.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        say(f"{run_dir} is being submitted by another command; starting a new run")
+        return None
+    jobs = refresh(registry, registry.with_run_dir(str(run_dir)))
+    if not jobs or is_locked(run_dir) or any(not is_final(j.state) for j in jobs):
+        live = ", ".join(f"{j.job_id} {j.state}" for j in jobs if not is_final(j.state)) or "no ended job recorded"
+        say(f"the unfinished run {run_dir} may still run ({live}); starting a new run (--new says so at once)")
+        return None
+    if RunPaths(run_dir).spec.read_text() != (text := dump_spec(spec)):
+        write_atomic(RunPaths(run_dir).spec, text)  # an infer run going on with another replica count
+    say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
+    return run_dir
 
 
 def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry) -> list[JobRecord]:
@@ -97,11 +137,12 @@ def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: R
     return records
 
 
-def submit_to_slurm(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry) -> list[JobRecord]:
+def submit_to_slurm(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry, fresh: bool = False,
+                    say: Callable[[str], None] = lambda line: None) -> list[JobRecord]:
     """tasks: the spec's sweep points (hpcgpu/launch/resolve.py), [] for a single job."""
     if tasks:
         return submit_sweep(spec, tasks, spec_file, registry)
-    return [submit_single(spec, spec_file, registry)]
+    return [submit_single(spec, spec_file, registry, fresh, say)]
 
 
 def dry_run_script(spec: Spec, tasks: list[SweepTask]) -> str:

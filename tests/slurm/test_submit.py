@@ -247,3 +247,41 @@ def test_two_nodes_train_like_one(slurm):
     assert view["nodes"] == "n[1-2]"
     assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)
     assert_same_weights(run_dir, baseline)
+
+
+FAILS_ONCE = '''
+import torch
+
+
+def main(ctx):
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = ctx.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = ctx.resume()
+    if step == 0:
+        ctx.save(1)
+        raise SystemExit(3)  # the first job fails after its checkpoint
+    print(f"resumed at step {step}", flush=True)
+    return 0
+'''
+
+
+def test_submitting_an_unfinished_run_again_resumes_it_and_new_starts_afresh(slurm):
+    """The same spec submitted again after its job failed goes on in that run dir from its last complete
+    checkpoint, and says so, as the local executor does; --new makes a new run dir."""
+    (slurm.tmp / "fails_once.py").write_text(FAILS_ONCE)
+    spec = slurm.write_spec({"name": "again", "task": "callable", "entry": "fails_once:main",
+                             "resources": {"gpus": 1, "cpus_per_gpu": 1, "time": "00:05:00"},
+                             "env": {"PYTHONPATH": str(slurm.tmp)}}, "again.yaml")
+    first = slurm.hpcgpu("submit", str(spec), "--wait", check=False)
+    assert first.returncode == 3, first.stdout + first.stderr
+    run_dir = re.search(r"run dir\s+(\S+)", first.stdout + first.stderr).group(1)
+    second = slurm.hpcgpu("submit", str(spec), "--wait", check=False)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resuming the unfinished run {run_dir}" in second.stderr, second.stderr
+    job_id = re.search(r"^job\s+(\d+)", second.stdout, re.M).group(1)
+    assert "resumed at step 1" in slurm.job_output(Path(run_dir), job_id)
+    fresh = slurm.hpcgpu("submit", str(spec), "--new", check=False)
+    assert fresh.returncode == 0 and "resuming" not in fresh.stderr
+    other = re.search(r"run dir\s+(\S+)", fresh.stdout + fresh.stderr).group(1)
+    assert other != run_dir
+    subprocess.run(["scancel", re.search(r"^job\s+(\d+)", fresh.stdout, re.M).group(1)])
