@@ -195,17 +195,46 @@ def attempt_id(environ: Mapping[str, str] | None = None) -> str:
     return f"nojob-{os.getpid()}.0"
 
 
+RESERVE_BYTES = 4096  # a failure record's room, taken when a rank starts: the record fits a full disk
+
+
+def reserve_path(run_dir: Path, attempt: str, rank: int) -> Path:
+    return run_dir / FAILURES_DIR / f".{attempt}.reserve-{rank}"
+
+
+def reserve_failure_record(run_dir: Path, attempt: str, rank: int) -> None:
+    """Room for this rank's failure record, written now: on a disk that fills up later, record_failure
+    writes into these blocks instead of new ones (no space is no reason to lose the reason)."""
+    path = reserve_path(run_dir, attempt, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b" " * RESERVE_BYTES)
+    except OSError:
+        pass
+
+
 def record_failure(run_dir: Path, failure: Failure, overwrite: bool = False) -> None:
-    """Write one rank's failure (atomically; a record the rank wrote itself is kept unless overwrite)."""
+    """Write one rank's failure (atomically; a record the rank wrote itself is kept unless overwrite).
+    On a full disk the rank's reserved room (reserve_failure_record) takes it."""
     folder = run_dir / FAILURES_DIR
     path = folder / f"{failure.attempt}.rank-{failure.rank}.json"
     if path.exists() and not overwrite:
         return
+    body = (json.dumps(asdict(failure)) + "\n").encode()
+    tmp = folder / f".{path.name}.tmp{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f".{path.name}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(asdict(failure)) + "\n")
+        tmp.write_bytes(body)
         os.replace(tmp, path)
+        return
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    reserve = reserve_path(run_dir, failure.attempt, failure.rank)
+    try:  # overwritten in place: blocks it already has
+        with open(reserve, "r+b") as fh:
+            fh.write(body[:RESERVE_BYTES])
+            fh.truncate(min(len(body), RESERVE_BYTES))
+        os.replace(reserve, path)
     except OSError:
         pass  # reporting must never turn one failure into another
 

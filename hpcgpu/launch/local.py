@@ -211,7 +211,10 @@ def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int
             signal.signal(s, h)
         for r in ranks:
             r.proc.wait()
-            r.log.close()
+            try:
+                r.log.close()
+            except OSError:  # a full disk: the last lines are lost, the job's end is not
+                pass
     return ranks_exit_code(ranks, first_failure, killed=len(interrupted) >= 2, say=say)
 
 

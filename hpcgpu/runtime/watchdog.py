@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcgpu.contract import FAILURES_DIR, Failure, record_failure
+from hpcgpu.contract import FAILURES_DIR, Failure, record_failure, reserve_failure_record, reserve_path
 
 CHECK_S = 2.0  # how often the thread looks (and rewrites the progress file)
 FLOOR_S = 300.0  # the derived limit is never shorter
@@ -119,6 +119,7 @@ class Watchdog:
     def start(self) -> "Watchdog":
         global _current
         _current = self
+        reserve_failure_record(self.run_dir, self.attempt, self.rank)  # the reason fits a disk that fills up
         self.thread.start()
         return self
 
@@ -127,10 +128,11 @@ class Watchdog:
         if _current is self:
             _current = None
         self.done.set()
-        try:
-            self.progress_path.unlink()
-        except OSError:
-            pass
+        for path in (self.progress_path, reserve_path(self.run_dir, self.attempt, self.rank)):
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
     def _run(self) -> None:
         while not self.done.wait(CHECK_S):

@@ -1,8 +1,10 @@
 """Tasks a job runs: train and infer (built in), command (the user's program), callable (the user's function)."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import socket
 import sys
 import time
@@ -94,10 +96,38 @@ def crashed(env: DistEnv, spec: Spec, run_dir: Path, exc: BaseException) -> None
         if first is not None:
             record_failure(run_dir, first)
     if first is None:
-        record(env, run_dir, 1, short(f"{type(exc).__name__}: {exc}"))
+        record(env, run_dir, 1, disk_full(exc, run_dir) or short(f"{type(exc).__name__}: {exc}"))
     else:  # a collective broke because a peer died: that peer's failure is the job's
         print(f"hpcgpu: rank {env.rank} failed after {first.describe()}", file=sys.stderr, flush=True)
     requeue_after_crash(env, spec, run_dir)
+
+
+FULL_BELOW = 1 << 20  # bytes free under which torch's "unexpected pos" (a short write) means a full disk
+
+
+def disk_full(exc: BaseException, run_dir: Path) -> str | None:
+    """'no space left on device writing PATH (N MB free there)' when the error (or one it came from) is
+    ENOSPC, or torch's short-write error on a filesystem that is full; None otherwise."""
+    path: Path | None = None
+    seen: BaseException | None = exc
+    while seen is not None and path is None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            path = Path(seen.filename) if seen.filename else run_dir
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    short_write = path is None and "No space left on device" not in text and "unexpected pos" in text
+    if path is None and ("No space left on device" in text or short_write):
+        path = run_dir
+    if path is None:
+        return None
+    there = next((p for p in (path, *path.parents) if p.exists()), run_dir)
+    try:
+        free = shutil.disk_usage(there).free
+    except OSError:
+        return None
+    if short_write and free >= FULL_BELOW:
+        return None  # a short write on a disk with room: not this
+    return f"no space left on device writing {path} ({free / 1e6:.1f} MB free there)"
 
 
 def short(text: str) -> str:
