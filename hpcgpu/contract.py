@@ -83,6 +83,11 @@ class RunPaths:
         return self.run_dir / "metrics.jsonl"
 
     @property
+    def nccl_traces(self) -> Path:
+        """NCCL's flight recorder dumps (rank_<N>), written by every rank when a collective times out."""
+        return self.run_dir / "nccl-trace"
+
+    @property
     def compile_cache(self) -> Path:
         """torch.compile's inductor and Triton caches (TORCHINDUCTOR_CACHE_DIR) of the run's jobs: a
         requeued or resumed job on any node finds the kernels its first start compiled."""

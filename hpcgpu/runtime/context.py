@@ -265,9 +265,9 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     device = _dist.select_device(env)
     if alone_group is None:
         alone_group = spec_obj is not None and spec_obj.distributed.strategy == "deepspeed"
-    _dist.init_process_group(env, spec_obj, device, alone=alone_group)
-    _dist.set_cpu_threads(device)
     run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
+    _dist.init_process_group(env, spec_obj, device, alone=alone_group, trace_dir=RunPaths(run_dir).nccl_traces)
+    _dist.set_cpu_threads(device)
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     ctx.watchdog = Watchdog(run_dir, attempt_id(), env.rank, node,

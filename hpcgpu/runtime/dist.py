@@ -5,6 +5,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,15 @@ def select_device(env: DistEnv) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, alone: bool = False) -> None:
+def flight_recorder_env(trace_dir: Path) -> dict[str, str]:
+    """torch's NCCL flight recorder: the last collectives of every rank, dumped to trace_dir/rank_<N>
+    when one times out (what a mismatched or stalled collective was); a user's own settings win."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_dir / "rank_")}
+
+
+def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, alone: bool = False,
+                       trace_dir: Path | None = None) -> None:
     """Start the process group (nccl on GPU, gloo on CPU) of a job of several ranks. A job of one rank
     gets none unless `alone` (DeepSpeed's engine needs a group even alone): then a one-rank group on an
     in-memory store. The train task calls this once for a distributed job (in init) and, for one rank,
@@ -48,6 +57,10 @@ def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, al
         return
     timeout_s = spec.distributed.nccl.timeout_s if spec else DEFAULT_PG_TIMEOUT_S
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        for key, value in flight_recorder_env(trace_dir).items():
+            os.environ.setdefault(key, value)
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # binds NCCL to our GPU up front: no guessing, no extra context

@@ -71,3 +71,18 @@ def test_where_is_the_innermost_frame_of_the_users_code() -> None:
 
     spot, in_collective = users_step()
     assert spot.startswith("users_step at test_watchdog.py:") and not in_collective
+
+
+def test_a_failure_names_where_the_nccl_flight_recorder_dumped(tmp_path: Path) -> None:
+    from hpcgpu.contract import RunPaths
+    from hpcgpu.runtime.dist import flight_recorder_env
+    from hpcgpu.runtime.tasks import flight_recorder_note
+
+    traces = RunPaths(tmp_path).nccl_traces
+    env = flight_recorder_env(traces)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(traces / "rank_")  # torch appends the rank
+    assert flight_recorder_note(tmp_path) == ""  # a CPU job: no recorder, no wait
+    traces.mkdir()
+    (traces / "rank_1").write_bytes(b"pickled entries")
+    assert flight_recorder_note(tmp_path) == f"; NCCL flight recorder dumps in {traces}"

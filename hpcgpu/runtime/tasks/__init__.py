@@ -8,6 +8,7 @@ import shutil
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hpcgpu.contract import EXIT_STOPPED, Failure, RunPaths, attempt_id, record_failure
@@ -94,9 +95,11 @@ def crashed(env: DistEnv, spec: Spec, run_dir: Path, exc: BaseException) -> None
         # half the time this rank waited for it is the failure; this rank's timeout follows from it
         first = stalled_peer(run_dir, attempt_id(), env.rank, spec.distributed.nccl.timeout_s / 2)
         if first is not None:
+            first = replace(first, message=first.message + flight_recorder_note(run_dir))
             record_failure(run_dir, first)
     if first is None:
-        record(env, run_dir, 1, disk_full(exc, run_dir) or short(f"{type(exc).__name__}: {exc}"))
+        record(env, run_dir, 1, (disk_full(exc, run_dir) or short(f"{type(exc).__name__}: {exc}"))
+               + flight_recorder_note(run_dir))
     else:  # a collective broke because a peer died: that peer's failure is the job's
         print(f"hpcgpu: rank {env.rank} failed after {first.describe()}", file=sys.stderr, flush=True)
     requeue_after_crash(env, spec, run_dir)
@@ -128,6 +131,20 @@ def disk_full(exc: BaseException, run_dir: Path) -> str | None:
     if short_write and free >= FULL_BELOW:
         return None  # a short write on a disk with room: not this
     return f"no space left on device writing {path} ({free / 1e6:.1f} MB free there)"
+
+
+FLIGHT_RECORDER_WAIT_S = 2.0  # NCCL's watchdog writes its dumps a moment after the timeout
+
+
+def flight_recorder_note(run_dir: Path) -> str:
+    """'; NCCL flight recorder dumps in DIR' where ranks dumped their last collectives (a timeout), else ''."""
+    folder = RunPaths(run_dir).nccl_traces
+    if not folder.is_dir():
+        return ""
+    deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
+    while not any(folder.glob("rank_*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return f"; NCCL flight recorder dumps in {folder}" if any(folder.glob("rank_*")) else ""
 
 
 def short(text: str) -> str:
