@@ -140,7 +140,9 @@ def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThres
     source = default_source()
     if not source.available():
         if gpus:  # nothing here to check them against but their form
-            return GpuPool(gpu_ids_as_given(gpus)), []
+            ids = gpu_ids_as_given(gpus)
+            return GpuPool(ids), [f"warning: NVML is not available here: GPUs {','.join(ids)} are taken as given "
+                                  "(not checked to exist, not watched for other jobs)"]
         return GpuPool(None), []
     readings = source.read(processes=True)  # the first reading: the watch goes on from it
     chosen, why = select(readings, gpus, None if gpus else os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -366,6 +366,14 @@ def test_gpus_without_nvml_must_be_indexes_or_uuids_each_once(tmp_path: Path, mo
             gpu_ids_as_given(bad)
     with pytest.raises(UsageError, match="no such file"):
         read_entries(tmp_path / "nofile.txt")
+    from hpcgpu.cli.queue import gpu_pool
+    from hpcgpu.gpu.source import default_source
+
+    if not default_source().available():  # this machine (CI): --gpus is taken with a word, not silently
+        pool, notes = gpu_pool("0,9", ignore_busy=False)
+        assert pool.ids == ["0", "9"] and notes == [
+            "warning: NVML is not available here: GPUs 0,9 are taken as given (not checked to exist, not watched "
+            "for other jobs)"]
 
 
 def test_a_cancelled_job_is_cancelled_not_failed_nor_retried() -> None:
