@@ -191,10 +191,10 @@ def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, busy_memory_pct
     """Run the jobs of FILE (one `SPEC [--gpus N] [--set K=V]` per line) over free local GPUs."""
     entries = read_entries(queue_file)
     pool, notes = gpu_pool(gpus, ignore_busy, pool_thresholds(entries, busy_memory_pct, busy_util_pct), free_checks)
-    for note in notes:
-        click.echo(f"queue: {note}", err=True)
     if pool.ids is not None:
         if not pool.ready():  # waiting for all of them to free up is more likely a wrong --gpus
+            for note in notes:  # why each is busy
+                click.echo(f"queue: {note}", err=True)
             raise UsageError("no free GPU to run the queue on" + (f" among --gpus {gpus}" if gpus else "")
                              + " (--ignore-busy uses busy ones)")
         too_big = [e for e in entries if e.gpus > len(pool.ids)]
@@ -202,6 +202,8 @@ def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, busy_memory_pct
             e = too_big[0]
             raise UsageError(f"{queue_file}:{e.line}: {e.name} needs {e.gpus} GPUs, the queue has {len(pool.ids)} "
                              f"({','.join(pool.ids)}); lower --gpus on the line")
+    for note in notes:
+        click.echo(f"queue: {note}", err=True)
     todo = sum(1 for e in entries if not e.finished_in)
     click.echo(f"queue: {todo} of {len(entries)} job(s) to run over {pool_text(pool)}", err=True)
     if dry_run:

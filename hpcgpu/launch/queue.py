@@ -78,7 +78,8 @@ class QueueResult:
             return "NOT STARTED"
         if self.cancelled and self.exit_code != 0:
             return "CANCELLED"
-        return {0: "COMPLETED", EXIT_STOPPED: "STOPPED"}.get(self.exit_code, "FAILED")
+        # exit 75, stopped at a checkpoint: the registry's (and `list`'s) word for it
+        return {0: "COMPLETED", EXIT_STOPPED: "PREEMPTED"}.get(self.exit_code, "FAILED")
 
 
 class JobEnd(NamedTuple):
@@ -360,7 +361,7 @@ class Queue:
         return again
 
     def _ended_line(self, r: QueueResult, seconds: float, retry: bool) -> str:
-        if r.state == "STOPPED":
+        if r.state == "PREEMPTED":
             how = stop_summary(r.run_dir) if r.run_dir else "stopped at a checkpoint"
         else:
             how = {"COMPLETED": "finished", "CANCELLED": f"cancelled ({r.error or 'hpcgpu cancel'})"}.get(
@@ -394,7 +395,7 @@ def exit_code(results: Sequence[QueueResult]) -> int:
     states = {r.state for r in results}
     if "FAILED" in states:
         return 1
-    if states & {"STOPPED", "CANCELLED", "NOT STARTED"}:
+    if states & {"PREEMPTED", "CANCELLED", "NOT STARTED"}:
         return EXIT_STOPPED
     return 0
 

@@ -27,7 +27,7 @@ def rebuild_rows(runs_dirs: Sequence[Path], registry: Registry) -> list[JobRecor
             continue
         slurm = sorted(run_dir.glob("slurm-*.out"), key=lambda p: p.stat().st_mtime)
         failure = first_failure(run_dir)
-        state = "COMPLETED" if is_finished(run_dir) else "FAILED" if failure is not None else "STOPPED"
+        state = "COMPLETED" if is_finished(run_dir) else "FAILED" if failure is not None else "PREEMPTED"
         job = JobRecord(job_id=slurm[-1].stem.removeprefix("slurm-").split("_")[0] if slurm else "",
                         name=run_dir.parent.name, spec=str(spec), run_dir=str(run_dir),
                         executor="slurm" if slurm else "local", state=state, submitted=run_started(run_dir),

@@ -222,7 +222,7 @@ def test_sigterm_stops_the_running_jobs_and_the_same_queue_goes_on(tmp_path):
         kill_leftovers(str(tmp_path))
     assert proc.returncode == 75, err
     rows = table(out)
-    assert rows["2"]["STATE"] == "STOPPED" and rows["3"]["STATE"] == "NOT STARTED"
+    assert rows["2"]["STATE"] == "PREEMPTED" and rows["3"]["STATE"] == "NOT STARTED"
     assert ": stopped at a checkpoint in " in err, err  # a command's own checkpoints: no stop record to read
     assert (tmp_path / "job.stopped").exists() and not (tmp_path / "later.started").exists()
     stopped_dir = rows["2"]["RUN_DIR"]

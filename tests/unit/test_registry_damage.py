@@ -75,5 +75,5 @@ def test_rebuild_recovers_run_dirs_the_registry_lacks(tmp_path: Path) -> None:
     rows = {Path(j.run_dir).parent.name: j for j in Registry(db).all()}
     assert sorted(rows) == ["alpha", "beta"]
     assert (rows["alpha"].state, rows["alpha"].executor) == ("COMPLETED", "local")
-    assert (rows["beta"].state, rows["beta"].executor, rows["beta"].job_id) == ("STOPPED", "slurm", "4242")
+    assert (rows["beta"].state, rows["beta"].executor, rows["beta"].job_id) == ("PREEMPTED", "slurm", "4242")
     assert time.strftime("%Y%m%d-%H%M", time.localtime(rows["alpha"].submitted)) == "20261128-1015"
