@@ -59,8 +59,12 @@ def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
     }
 
 
-def job_view(job: JobRecord) -> dict[str, Any]:
+def job_view(job: JobRecord, registry: Registry | None = None) -> dict[str, Any]:
     view = unit_view(job, job)
+    later = resumed_by(job, registry) if registry is not None else None
+    if later is not None:  # the run dir's progress is the later job's now, not this one's
+        view.update(step=None, loss=None, rows=None, rows_total=None, max_steps=None, tokens_per_s=None,
+                    eta_s=None, progress=f"- (run dir resumed by job {later})", resumed_by=later)
     view.update({"name": job.name, "executor": job.executor, "spec": job.spec,
                  "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted))})
     if job.is_array:
@@ -73,10 +77,20 @@ def job_view(job: JobRecord) -> dict[str, Any]:
     return view
 
 
+def resumed_by(job: JobRecord, registry: Registry) -> str | None:
+    """The newest later job that went on in this job's run dir (submit again resumes an unfinished run)."""
+    if job.is_array:
+        return None
+    later = [j for j in registry.with_run_dir(job.run_dir) if j.submitted > job.submitted and j.job_id != job.job_id]
+    return max(later, key=lambda j: j.submitted).job_id if later else None
+
+
 def step_cell(view: dict[str, Any]) -> str:
     """The STEP column: the last step, or rows done/total for task: infer."""
     if view.get("rows") is not None:
         return f"{view['rows']}/{view['rows_total'] if view['rows_total'] is not None else '?'} rows"
+    if view.get("resumed_by"):
+        return f"-> {view['resumed_by']}"
     if view["step"] is None:
         return "-"
     return f"{view['step']}/{view['max_steps']}" if view.get("max_steps") else str(view["step"])
@@ -168,7 +182,7 @@ def status(job_ref: str | None, as_json: bool) -> None:
     if job_ref:
         job, task = find_job(registry, job_ref)
         refresh(registry, [job])
-        view = job_view(job)
+        view = job_view(job, registry)
         if task is not None:
             view = dict(view, **next(t for t in view["tasks"] if t["id"] == task.id))
             view.pop("tasks")
@@ -196,7 +210,7 @@ def list_jobs(limit: int, show_all: bool, as_json: bool) -> None:
 def show_jobs(registry: Registry, jobs: list, as_json: bool, empty: str) -> None:
     """Refresh the jobs' states in one scheduler call, then print them as a table or JSON."""
     refresh(registry, jobs)
-    views = [job_view(j) for j in jobs]
+    views = [job_view(j, registry) for j in jobs]
     if as_json:
         click.echo(json.dumps(views, indent=2))
     elif views:

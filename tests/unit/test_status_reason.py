@@ -3,6 +3,7 @@ elapsed and GPU time over all runs of a requeued job, and no nodes while it wait
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -323,3 +324,24 @@ def test_a_stopped_run_says_what_it_kept(tmp_path: Path, stop: dict, said: str) 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert progress.stop_summary(tmp_path) == said
     assert progress.stop_summary(tmp_path / "missing") == "stopped at a checkpoint"
+
+
+def test_a_job_whose_run_dir_a_later_job_resumed_shows_no_progress_of_the_later_one(tmp_path: Path) -> None:
+    """Submitting the same spec again goes on in the run dir: its metrics are the later job's, so the
+    earlier row of `list` points at that job instead of showing its step as its own."""
+    import subprocess
+    import sys
+
+    from hpcgpu.launch.registry import JobRecord, Registry
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 40, "loss": 1.5}) + "\n")
+    registry = Registry(tmp_path / "jobs.db")
+    registry.add(JobRecord("11", "again", "s.yaml", str(run_dir), "slurm", state="FAILED", submitted=1000.0))
+    registry.add(JobRecord("12", "again", "s.yaml", str(run_dir), "slurm", state="COMPLETED", submitted=2000.0))
+    out = subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "HPCGPU_REGISTRY": str(tmp_path / "jobs.db")}, check=True)
+    views = {v["id"]: v for v in json.loads(out.stdout)}
+    assert views["12"]["step"] == 40 and views["12"].get("resumed_by") is None
+    assert views["11"]["step"] is None and views["11"]["resumed_by"] == "12"
