@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hpcgpu.data.format import VERSION, dest_lock, is_prepared, read_manifest
-from hpcgpu.data.pipeline import PrepareResult, build
+from hpcgpu.data.format import VERSION, dest_lock
+from hpcgpu.data.pipeline import PrepareResult, build, reuse
 from hpcgpu.data.sources import Source, fingerprint, open_source
-from hpcgpu.data.tokenizer import as_tokenizer, same_tokenizer, tokenizer_identity
+from hpcgpu.data.tokenizer import as_tokenizer, tokenizer_identity
 
 log = logging.getLogger("hpcgpu")
 
@@ -90,17 +90,3 @@ def ensure_prepared(source: str | Path, tokenizer: Any, text_field: str = "text"
         manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=None,
                          data_format=data_format)
     return PrepareResult(dest, manifest, True, time.monotonic() - t0)
-
-
-def reuse(dest: Path, src: Source, identity: dict[str, Any], data_format: str, t0: float) -> Optional[PrepareResult]:
-    """The finished entry at `dest` if it is one for this very source, tokenizer and format, else None."""
-    if not is_prepared(dest):
-        return None
-    manifest = read_manifest(dest)
-    recorded = [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in manifest.get("sources", [])]
-    if recorded != fingerprint(src) or not same_tokenizer(manifest["tokenizer"], identity) \
-            or (manifest.get("data_format") or "text") != data_format:
-        return None  # a hash collision or a hand-edited entry: never reuse what does not match
-    log.info(f"reusing prepared data for {src.path}: {dest} ({manifest['num_tokens']:,} tokens, "
-             f"{manifest['dtype']})")
-    return PrepareResult(dest, manifest, False, time.monotonic() - t0)

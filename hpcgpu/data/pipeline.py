@@ -23,12 +23,15 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from hpcgpu.data.examples import check_chat_template, encode_examples
-from hpcgpu.data.format import TokenWriter, check_output, dest_lock, write_manifest, writing
+from hpcgpu.data.format import (TokenWriter, check_output, dest_lock, is_prepared, read_manifest, write_manifest,
+                                writing)
 from hpcgpu.data.sources import (
     CHUNK_CHARS, FORMATS, Source, fingerprint, iter_chunks, iter_documents, open_source, progress_total,
     source_records)
-from hpcgpu.data.tokenizer import ByteTokenizer, as_tokenizer, describe, token_dtype, tokenizer_identity, vocab_size
+from hpcgpu.data.tokenizer import (ByteTokenizer, as_tokenizer, describe, same_tokenizer, token_dtype,
+                                   tokenizer_identity, vocab_size)
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.procs import set_parent_death_signal
 
 log = logging.getLogger("hpcgpu")
 
@@ -65,7 +68,18 @@ def prepare(source: str | Path, tokenizer: Any, output: str | Path, *, text_fiel
     dest = Path(output).expanduser().absolute()
     check_output(dest)
     t0 = time.monotonic()
-    with dest_lock(dest):
+    waited: list[bool] = []
+
+    def waiting() -> None:
+        waited.append(True)
+        log.info(f"another `data prepare` writes {dest}; waiting for it to finish")
+
+    with dest_lock(dest, on_wait=waiting):
+        if waited:  # the one we waited for may have made just this: its source, tokenizer, field, dtype
+            done = reuse(dest, src, tokenizer_identity(tok), data_format, t0)
+            if done is not None and done.manifest.get("text_field") == text_field \
+                    and dtype in (None, done.manifest.get("dtype")):
+                return done
         manifest = build(src, tok, dest, text_field=text_field, workers=workers, dtype=dtype,
                          data_format=data_format)
     return PrepareResult(dest, manifest, True, time.monotonic() - t0)
@@ -202,6 +216,8 @@ _worker: dict[str, Any] = {}
 
 
 def init_worker(tokenizer: Any, eos: Optional[int], dtype: str, data_format: str = "text") -> None:
+    # a prepare killed outright (kill -9) takes its workers along, without a BrokenPipeError each
+    set_parent_death_signal()
     # the processes already use every core: no Rust thread pool inside each of them
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker.update(tokenizer=tokenizer, eos=eos, dtype=dtype, data_format=data_format)
@@ -285,3 +301,17 @@ class TokenizeProgress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def reuse(dest: Path, src: Source, identity: dict[str, Any], data_format: str, t0: float) -> Optional[PrepareResult]:
+    """The finished entry at `dest` if it is one for this very source, tokenizer and format, else None."""
+    if not is_prepared(dest):
+        return None
+    manifest = read_manifest(dest)
+    recorded = [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in manifest.get("sources", [])]
+    if recorded != fingerprint(src) or not same_tokenizer(manifest["tokenizer"], identity) \
+            or (manifest.get("data_format") or "text") != data_format:
+        return None  # a hash collision or a hand-edited entry: never reuse what does not match
+    log.info(f"reusing prepared data for {src.path}: {dest} ({manifest['num_tokens']:,} tokens, "
+             f"{manifest['dtype']})")
+    return PrepareResult(dest, manifest, False, time.monotonic() - t0)

@@ -386,3 +386,54 @@ def test_one_rank_run_on_a_prepared_folder_follows_the_raw_files_loss_curve(tmp_
         curves[key] = [r["loss"] for r in train_records(only_run_dir(tmp_path / key / "runs", key))]
     assert len(curves["raw"]) == 3 and curves["prepared"] == curves["raw"]
 
+
+
+def test_two_prepares_of_one_output_build_it_once_and_say_they_wait(tmp_path: Path) -> None:
+    """`data prepare` twice at once into one folder: the second says it waits, then keeps what the
+    first made from the same source and tokenizer instead of tokenizing it all again."""
+    source = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    out = tmp_path / "out"
+    logs = [tmp_path / f"prep{i}.log" for i in range(2)]
+    cmd = [sys.executable, "-m", "hpcgpu", "data", "prepare", "--input", str(source), "--output", str(out)]
+    with open(fmt.lock_path(out), "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # both start while the folder is being written: they must wait
+        procs = [subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT) for log in logs]
+        deadline = time.monotonic() + 60
+        while not all("another `data prepare` writes" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, [log.read_text() for log in logs]
+            time.sleep(0.05)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    texts = [log.read_text() for log in logs]
+    assert sum(t.count("preparing ") for t in texts) == 1, texts
+    assert sum(t.count("reusing prepared data") for t in texts) == 1, texts
+    assert is_prepared(out)
+
+
+def test_a_prepare_killed_outright_takes_its_workers_along_quietly(tmp_path: Path) -> None:
+    """kill -9 of `data prepare --workers 2`: its tokenizer workers die with it, no BrokenPipeError
+    traceback from each of them."""
+    import os
+    import signal
+
+    source = write_jsonl(tmp_path / "big.jsonl", [f"{i} " + "words of text " * 40 for i in range(60000)])
+    log = tmp_path / "prep.log"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcgpu", "data", "prepare", "--input", str(source), "--output",
+                             str(tmp_path / "out"), "--workers", "2"], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "preparing " not in log.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.05)
+    time.sleep(0.5)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert workers, "no worker processes to check"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{w}") and "Z" not in open(f"/proc/{w}/stat").read().split()[2]
+              for w in workers):
+        assert time.monotonic() < deadline, "a worker outlived its killed prepare"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert "BrokenPipeError" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()[-2000:]
