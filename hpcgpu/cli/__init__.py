@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("hpcgpu.cli.report:report", "PNG and summary of a run: loss, tokens/s, GPU utilization/memory/power."),
     "data": ("hpcgpu.cli.data:data", "Tokenize training data once into memory-mapped prepared datasets."),
     "registry": ("hpcgpu.cli.registry:registry", "The job registry: rebuild its rows from run dirs."),
+    "doctor": ("hpcgpu.cli.doctor:doctor", "Health of this machine or of a SLURM allocation's nodes and GPUs."),
 }
 
 

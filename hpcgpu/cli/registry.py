@@ -18,7 +18,7 @@ def registry() -> None:
 @click.argument("runs_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 def rebuild(runs_dirs: tuple[str, ...]) -> int:
     """Add a row for every run dir under RUNS_DIRS the registry lacks (after a damaged registry was moved
-    aside): its job id, COMPLETED, FAILED (with the rank that failed) or STOPPED, from the run dir."""
+    aside): its job id, COMPLETED, FAILED (with the rank that failed) or PREEMPTED, from the run dir."""
     reg = Registry()
     reg.check()
     added = rebuild_rows([Path(d) for d in runs_dirs], reg)
