@@ -40,6 +40,7 @@ from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.plan import RunPlan, plan_own_loop
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
+from hpcgpu.runtime.requeue import requeue_after_crash
 from hpcgpu.runtime.stop import StopNote, stop_job
 from hpcgpu.runtime.watchdog import Watchdog, beat
 from hpcgpu.spec import Spec, dump_spec, load_spec
@@ -271,7 +272,8 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     ctx.watchdog = Watchdog(run_dir, attempt_id(), env.rank, node,
-                            spec_obj.distributed.hang_timeout_s if spec_obj else None).start()
+                            spec_obj.distributed.hang_timeout_s if spec_obj else None,
+                            on_fire=(lambda: requeue_after_crash(env, spec_obj, run_dir)) if spec_obj else None).start()
     if spec_obj is not None:
         ctx.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
     ctx.stop_flag.install(stop_signals(spec_obj))

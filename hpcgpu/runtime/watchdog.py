@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from hpcgpu.contract import FAILURES_DIR, Failure, record_failure, reserve_failure_record, reserve_path
 
@@ -86,8 +86,10 @@ def where(frame: Any) -> tuple[str, bool]:
 
 
 class Watchdog:
-    def __init__(self, run_dir: Path, attempt: str, rank: int, node: str, timeout_s: float | None):
+    def __init__(self, run_dir: Path, attempt: str, rank: int, node: str, timeout_s: float | None,
+                 on_fire: Callable[[], object] | None = None):
         self.run_dir, self.attempt, self.rank, self.node = run_dir, attempt, rank, node
+        self.on_fire = on_fire  # before the exit: a requeue where slurm.max_retries asks for one
         self.timeout_s = timeout_s
         self.factor = 1.0
         self.beats = 0
@@ -164,7 +166,11 @@ class Watchdog:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         record_failure(self.run_dir, Failure(self.attempt, self.rank, self.node, EXIT_HUNG, message, self.last_wall))
-        os._exit(EXIT_HUNG)
+        try:
+            if self.on_fire is not None:
+                self.on_fire()
+        finally:
+            os._exit(EXIT_HUNG)
 
 
 def stalled_peer(run_dir: Path, attempt: str, rank: int, min_idle_s: float) -> Failure | None:

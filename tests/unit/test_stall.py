@@ -123,3 +123,47 @@ def test_a_rank_without_progress_prints_its_stacks_and_fails_naming_where_it_was
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "the stacks of its threads" in log and "most recent call first" in log, log[-2000:]
     assert not rank_processes(str(tmp_path))
+
+
+LOADER = '''
+import time
+
+import torch
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if self.rank == 1 and i >= 8:
+            time.sleep(3600)  # a read that never returns (a hung filesystem)
+        return torch.ones(4)
+
+
+def main(ctx):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = ctx.prepare(model, optimizer)
+    for batch in ctx.data_loader(Rows(ctx.rank), batch_size=2, num_workers=0):
+        ctx.backward(model(batch).sum())
+        ctx.step()
+    return 0
+'''
+
+
+def test_a_rank_stalled_in_its_data_loader_is_named_with_the_function(tmp_path: Path) -> None:
+    (tmp_path / "loader.py").write_text(LOADER)
+    spec = write_spec_file(tmp_path, {"name": "loader", "task": "callable", "entry": "loader:main",
+                                      "resources": {"gpus": 2, "cpus_per_gpu": 1},
+                                      "distributed": {"nccl": {"timeout_s": TIMEOUT_S}}})
+    out = subprocess.run(submit_cmd(spec), capture_output=True, text=True, timeout=TIMEOUT_S + 110, env=job_env(),
+                         cwd=tmp_path)
+    assert out.returncode not in (0, 75), out.stdout[-2000:]
+    failure = first_failure(only_run_dir(tmp_path / "runs", "loader"))
+    assert failure is not None and failure.rank == 1, (failure, out.stderr[-2000:])
+    assert "made no progress" in failure.message and "__getitem__ at loader.py:" in failure.message, failure
+    assert not rank_processes(str(tmp_path))
