@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 from hpcgpu.contract import FAILURES_DIR, Failure, record_failure, reserve_failure_record, reserve_path
 
-CHECK_S = 2.0  # how often the thread looks (and rewrites the progress file)
+CHECK_S = 5.0  # how often the thread looks (and rewrites the progress file: shared filesystems)
 FLOOR_S = 300.0  # the derived limit is never shorter
 STEP_FACTOR = 20  # the derived limit: this many median beat intervals
 FIRST_FACTOR = 3  # before the first beat: start-up, loading, compiling
