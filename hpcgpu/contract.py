@@ -45,6 +45,15 @@ ENV_NVML_RECORDED = "HPCGPU_NVML_RECORDED"  # recorded GPU readings in place of 
 ENV_DEBUG = "HPCGPU_DEBUG"  # tracebacks for errors
 ENV_NODE_GPUS = "HPCGPU_NODE_GPUS"  # the node's visible GPUs, where a task narrowed CUDA_VISIBLE_DEVICES to its group
 ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"  # a size (80G) that replaces each rank's GPU memory reading for the plan
+# what the launchers (srun, the local executor, hpcgpu run) set for every rank: a spec's env: must not
+LAUNCHER_OWNED_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES", ENV_LAUNCHER, ENV_RUN_DIR, ENV_SPEC, ENV_JOB_START, ENV_PENDING_SIGNAL, ENV_PARENT_PID,
+    ENV_NODE_GPUS})
+
+
+def launcher_owned(name: str) -> bool:
+    return name in LAUNCHER_OWNED_ENV or name.startswith("SLURM_")
 
 
 @dataclass(frozen=True)

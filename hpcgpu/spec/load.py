@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import yaml
 
+from hpcgpu.contract import launcher_owned
 from hpcgpu.errors import SpecError
 from hpcgpu.spec.derive import batch_split
 from hpcgpu.spec.parse import LineMap, parse_section, section_fields, to_plain
@@ -273,6 +274,10 @@ def _check_env(spec: Spec, lines: LineMap) -> None:
     for name, value in spec.env.items():
         if not re.match(ENV_NAME_RE, name):
             raise lines.error(f"env.{name}", "is not a valid environment variable name")
+        if launcher_owned(name):
+            fix = "choose GPUs with resources.devices" if name == "CUDA_VISIBLE_DEVICES" else "remove it"
+            raise lines.error(f"env.{name}", f"is set for every rank by the launcher (srun, the local executor, "
+                              f"hpcgpu run); a value here would break the job: {fix}")
         if looks_secret(name) and value != "":
             raise lines.error(f"env.{name}", f"looks like a secret, and env: values are written into spec.yaml and "
                               f"job.sbatch where others may read them: list {name} in env_passthrough: instead "

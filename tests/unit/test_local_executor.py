@@ -303,3 +303,25 @@ def test_ranks_that_fail_together_are_all_named(tmp_path: Path) -> None:
     assert wait_ranks(ranks, spec, said.append) == 2
     assert said[0] == "ranks 0, 1 exited with codes 2, 2; stopping the other ranks"
     assert ranks[2].proc.returncode == -signal.SIGTERM  # the one still running was stopped
+
+
+def test_command_ranks_get_a_thread_cap_unless_the_user_set_one(tmp_path: Path, monkeypatch) -> None:
+    """OpenMP and MKL in a command rank take the rank's cores (cpus_per_gpu, at most its share of the
+    node's), not every core of the machine; a value the user set (the shell, env:) is kept."""
+    import dataclasses
+
+    from hpcgpu.contract import RunPaths
+    from hpcgpu.runtime.env import DistEnv
+    from hpcgpu.runtime.tasks.command import command_env
+    from hpcgpu.spec import spec_from_raw
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    env = dataclasses.replace(DistEnv.from_environ(), local_world_size=2)
+    spec = spec_from_raw(command_spec("threads", "pass", tmp_path, gpus=2), need_data=False)
+    out = command_env(spec, tmp_path / "spec.yaml", RunPaths(tmp_path), env)
+    assert out["OMP_NUM_THREADS"] == out["MKL_NUM_THREADS"] == "1"
+    spec = spec_from_raw({**command_spec("threads", "pass", tmp_path, gpus=2), "env": {"OMP_NUM_THREADS": "3"}},
+                         need_data=False)
+    out = command_env(spec, tmp_path / "spec.yaml", RunPaths(tmp_path), env)
+    assert out["OMP_NUM_THREADS"] == "3" and out["MKL_NUM_THREADS"] == "1"

@@ -235,6 +235,13 @@ BAD = [
     ("env-api-key", COMMAND + "env:\n  wandb_api_key: abc\n", "env.wandb_api_key", ["env_passthrough"], "wandb"),
     ("env-secret", COMMAND + "env:\n  AWS_SECRET: abc\n", "env.AWS_SECRET", ["env_passthrough"], "AWS_SECRET"),
     ("env-password", COMMAND + "env:\n  DB_PASSWORD_X: abc\n", "env.DB_PASSWORD_X", ["env_passthrough"], "DB_"),
+    # what srun and the local executor set for every rank: a value in env: would break the job
+    ("env-slurm-owned", COMMAND + "env:\n  SLURM_JOB_ID: '4242'\n", "env.SLURM_JOB_ID", ["launcher", "remove it"],
+     "SLURM_JOB_ID"),
+    ("env-rank", COMMAND + "env:\n  WORLD_SIZE: '8'\n", "env.WORLD_SIZE", ["launcher"], "WORLD_SIZE"),
+    ("env-visible-devices", COMMAND + "env:\n  CUDA_VISIBLE_DEVICES: '0'\n", "env.CUDA_VISIBLE_DEVICES",
+     ["resources.devices"], "CUDA_VISIBLE"),
+    ("env-run-dir", COMMAND + "env:\n  HPCGPU_RUN_DIR: /x\n", "env.HPCGPU_RUN_DIR", ["launcher"], "HPCGPU_RUN"),
     ("passthrough-bad-name", COMMAND + "env_passthrough: [HF-TOKEN]\n", "env_passthrough[0]",
      ["environment variable name"], "env_passthrough"),
     ("passthrough-and-env", COMMAND + "env: {HF_HOME: /x}\nenv_passthrough: [HF_HOME]\n", "env_passthrough",

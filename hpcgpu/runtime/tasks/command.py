@@ -34,12 +34,28 @@ def command_env(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> d
         # model per rank on CPU, all writing the same output dir, without a word
         out.setdefault("ACCELERATE_USE_CPU", "true")
     out.update(spec.env)
+    threads = str(thread_cap(out, spec, env))
+    for name in THREAD_VARS:  # unless the user set them: OpenMP and MKL take every core otherwise
+        out.setdefault(name, threads)
     out.pop(ENV_PENDING_SIGNAL, None)  # taken by this wrapper, not the program's business
     out[ENV_SPEC] = str(spec_path)
     out[ENV_RUN_DIR] = str(paths.run_dir)
     # where a preemptible program should write its checkpoints (documented in the README)
     out.setdefault(ENV_CHECKPOINT_DIR, str(paths.checkpoints))
     return out
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_cap(environ: dict[str, str], spec: Spec, env: DistEnv) -> int:
+    """A command rank's CPU threads, as hpcgpu's own ranks take them (runtime/dist.py set_cpu_threads):
+    the cores srun gives the task (SLURM_CPUS_PER_TASK, else the spec's), at most this node's cores
+    shared among its ranks: two local ranks of nanoGPT ran 4-5x slower with torch's every-core default."""
+    given = environ.get("SLURM_CPUS_PER_TASK", "")
+    cpus = int(given) if given.isdigit() else spec.resources.cpus_per_gpu * spec.gpus_per_task
+    share = (os.cpu_count() or 1) // max(1, env.local_world_size)
+    return max(1, min(cpus, share))
 
 
 def ranks_have_gpus(environ: dict[str, str]) -> bool:
