@@ -44,12 +44,13 @@ ENV_REGISTRY = "HPCGPU_REGISTRY"  # the job registry's file
 ENV_NVML_RECORDED = "HPCGPU_NVML_RECORDED"  # recorded GPU readings in place of the driver's
 ENV_DEBUG = "HPCGPU_DEBUG"  # tracebacks for errors
 ENV_NODE_GPUS = "HPCGPU_NODE_GPUS"  # the node's visible GPUs, where a task narrowed CUDA_VISIBLE_DEVICES to its group
-ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"  # a size (80G) that replaces each rank's GPU memory reading for the plan
+ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"
+ENV_LOCAL_JOB = "HPCGPU_LOCAL_JOB"  # the local executor's job name (local-3); SLURM_JOB_ID holds its number  # a size (80G) that replaces each rank's GPU memory reading for the plan
 # what the launchers (srun, the local executor, hpcgpu run) set for every rank: a spec's env: must not
 LAUNCHER_OWNED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES", ENV_LAUNCHER, ENV_RUN_DIR, ENV_SPEC, ENV_JOB_START, ENV_PENDING_SIGNAL, ENV_PARENT_PID,
-    ENV_NODE_GPUS})
+    ENV_NODE_GPUS, ENV_LOCAL_JOB})
 
 
 def launcher_owned(name: str) -> bool:
@@ -196,7 +197,7 @@ def attempt_id(environ: Mapping[str, str] | None = None) -> str:
     process. A fixed id there would make a second launch in the same folder take the first one's
     failure markers for its own (and say nothing of its error)."""
     env = os.environ if environ is None else environ
-    job = env.get("SLURM_JOB_ID", "")
+    job = env.get(ENV_LOCAL_JOB) or env.get("SLURM_JOB_ID", "")
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     if job:

@@ -16,6 +16,7 @@ local_submit.py's; this module only starts the ranks and waits for them.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
-from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED, EXIT_STOPPED,
-                             Failure, RunPaths, attempt_id, is_finished, record_failure, signal_hint,
+from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_LOCAL_JOB, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED,
+                             EXIT_STOPPED, Failure, RunPaths, attempt_id, is_finished, record_failure, signal_hint,
                              write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.source import default_source
@@ -59,13 +60,22 @@ def local_gpus(spec: Spec, environ: dict[str, str] | None = None) -> list[str]:
     return [str(r.index) for r in source.read(processes=False)] if source.available() else []
 
 
+def slurm_job_number(job_id: str) -> str:
+    """local-3 -> 3 (a job id that is no number gets a stable one from its digits' hash)."""
+    number = job_id.removeprefix("local-")
+    return number if number.isdigit() else str(int(hashlib.sha1(job_id.encode()).hexdigest()[:6], 16))
+
+
 def rank_environ(spec: Spec, rank: int, world: int, job_id: str, port: int, gpus: list[str],
                  run_dir: Path, restart_count: int = 0) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         ENV_LAUNCHER: "local",
         ENV_RUN_DIR: str(run_dir),
-        "SLURM_JOB_ID": job_id,
+        # a number, as SLURM's are (Lightning derives its port from the last digits); the local-N
+        # name users see travels beside it
+        "SLURM_JOB_ID": slurm_job_number(job_id),
+        ENV_LOCAL_JOB: job_id,
         "SLURM_PROCID": str(rank),
         "SLURM_LOCALID": str(rank),
         "SLURM_NODEID": "0",

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from hpcgpu.contract import ENV_LAUNCHER, ENV_NODE_GPUS
+from hpcgpu.contract import ENV_LAUNCHER, ENV_LOCAL_JOB, ENV_NODE_GPUS
 from hpcgpu.errors import EnvironmentError_
 from hpcgpu.gpu import nvml
 from hpcgpu.hostlist import expand_hostlist, port_for_job
@@ -225,7 +225,7 @@ def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
         hosts = tuple(expand_hostlist(nodelist)) if nodelist else ()
     except ValueError as exc:
         raise EnvironmentError_(f"{nodelist_var}: {exc}") from None
-    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    job_id = env.get(ENV_LOCAL_JOB) or env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     step_id = _first(env, "SLURM_STEP_ID", "SLURM_STEPID")
     return DistEnv(
         rank=_int(env, "SLURM_PROCID"),

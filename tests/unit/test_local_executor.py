@@ -109,6 +109,8 @@ def test_command_ranks_get_the_torchrun_variables(command_jobs: dict) -> None:
             str(rank), str(rank), "3", "3")
         assert env["MASTER_ADDR"] == "127.0.0.1"
         assert Path(env["HPCGPU_RUN_DIR"]) == run_dirs[0]
+        # a number as SLURM's (Lightning parses it), hpcgpu's local-N name beside it
+        assert env["SLURM_JOB_ID"].isdigit() and env["HPCGPU_LOCAL_JOB"] == f"local-{env['SLURM_JOB_ID']}"
     ports = {env["MASTER_PORT"] for env in envs}
     assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
 
