@@ -11,8 +11,10 @@ never waits for its longest row.
 
 Each slot holds its own row: its prompt's keys and values in columns [start, L) of the slot, its
 generated tokens after them. The decode step writes slot s's new key/value at its own column col[s]
-(an index_put, SlotLayer.update), and masks every column outside [start[s], col[s]] (a 4D mask: the
-model's own attention, sdpa or eager, no kernel of ours). Positions are passed per slot, so a row sees
+(an index_copy_, SlotLayer.update) and attends to columns [start[s], col[s]] only (attention_mode):
+on a GPU through PyTorch's flash varlen kernel (each slot's span as cu_seqlens_k / seqused_k), the
+decode forward compiled by torch.compile before its capture; elsewhere through the model's own sdpa
+or eager attention with a 4D mask; no kernel of ours. Positions are passed per slot, so a row sees
 exactly what `model.generate` shows it row by row: the same greedy tokens (fp32, CPU: tests show it).
 
 Sampling draws each token with a Gumbel-max from a counter-based hash of (row seed, position, token
