@@ -46,9 +46,10 @@ ENV_DEBUG = "HPCGPU_DEBUG"  # tracebacks for errors
 ENV_NODE_GPUS = "HPCGPU_NODE_GPUS"  # the node's visible GPUs, where a task narrowed CUDA_VISIBLE_DEVICES to its group
 ENV_GPU_MEMORY = "HPCGPU_GPU_MEMORY"
 ENV_LOCAL_JOB = "HPCGPU_LOCAL_JOB"  # the local executor's job name (local-3); SLURM_JOB_ID holds its number  # a size (80G) that replaces each rank's GPU memory reading for the plan
-# what the launchers (srun, the local executor, hpcgpu run) set for every rank: a spec's env: must not
+# what the launchers (srun, the local executor, hpcgpu run) set for every rank: a spec's env: must not.
+# MASTER_PORT is the exception: `env: {MASTER_PORT: N}` picks the rendezvous port (a site's firewall)
 LAUNCHER_OWNED_ENV = frozenset({
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
     "CUDA_VISIBLE_DEVICES", ENV_LAUNCHER, ENV_RUN_DIR, ENV_SPEC, ENV_JOB_START, ENV_PENDING_SIGNAL, ENV_PARENT_PID,
     ENV_NODE_GPUS, ENV_LOCAL_JOB})
 

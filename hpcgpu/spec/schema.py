@@ -373,8 +373,8 @@ class Spec:
         "environment variables of every rank; written into spec.yaml and job.sbatch, so never a secret "
         "(a name like *_TOKEN, *_KEY, *_SECRET, *PASSWORD* is refused: use env_passthrough); so are the names the "
         "launcher sets for every rank: SLURM_*, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
-        "MASTER_PORT, CUDA_VISIBLE_DEVICES (resources.devices chooses GPUs), HPCGPU_RUN_DIR, HPCGPU_SPEC and "
-        "hpcgpu's other per-rank variables"))
+        "CUDA_VISIBLE_DEVICES (resources.devices chooses GPUs), HPCGPU_RUN_DIR, HPCGPU_SPEC and hpcgpu's other "
+        "per-rank variables (MASTER_PORT is yours to pick)"))
     env_passthrough: list[str] = field(default_factory=list, metadata=meta(
         "names of variables the job takes from the environment you submit from (HF_TOKEN, WANDB_API_KEY); "
         "their values are never written to a file; submit checks that they are set",
