@@ -31,13 +31,13 @@ from hpcgpu.launch.liveness import executor_alive, process_start
 from hpcgpu.launch.local import check_fits_here, local_gpus, run_local
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import find_finished_run, find_unfinished_run, make_run_dir, write_atomic
+from hpcgpu.launch.rundir import find_finished_run, find_unfinished_run, make_run_dir, take_spec
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.scheduler import format_duration
 from hpcgpu.launch.state import array_state
 from hpcgpu.launch.sweep import SweepTask, write_sweep
 from hpcgpu.procs import die_with_parent
-from hpcgpu.spec import Spec, dump_spec, load_spec
+from hpcgpu.spec import Spec, load_spec
 
 Say = Callable[[str], None]
 Started = Callable[[JobRecord], None]
@@ -167,8 +167,8 @@ def unfinished_run(spec: Spec, registry: Registry, fresh: bool = False) -> Path 
     if run_dir is not None and run_dirs_in_use(registry)(run_dir):
         # the same command while the job (or ranks it left) still runs: never a second writer
         raise runlock.RunDirLocked(run_dir)
-    if run_dir is not None and RunPaths(run_dir).spec.read_text() != (text := dump_spec(spec)):
-        write_atomic(RunPaths(run_dir).spec, text)  # an infer run going on with another replica count
+    if run_dir is not None:
+        take_spec(run_dir, spec)
     return run_dir
 
 

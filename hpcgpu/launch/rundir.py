@@ -93,6 +93,13 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
         raise
 
 
+def take_spec(run_dir: Path, spec: Spec) -> None:
+    """A resumed run dir's spec.yaml becomes this submission's (an infer run going on with another
+    replica count resolves to another text of the same spec)."""
+    if RunPaths(run_dir).spec.read_text() != (text := dump_spec(spec)):
+        write_atomic(RunPaths(run_dir).spec, text)
+
+
 def current_umask() -> int:
     mask = os.umask(0o022)  # the only way to read it is to set it: put it straight back
     os.umask(mask)

@@ -17,12 +17,12 @@ from hpcgpu.errors import HpcgpuError, SchedulerError
 from hpcgpu.launch.options import per_node_text, sbatch_options
 from hpcgpu.launch.preflight import check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_of_this_spec, write_atomic
+from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_of_this_spec, take_spec
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
 from hpcgpu.launch.sweep import SweepTask, array_chunks, array_range, check_one_script, write_sweep
-from hpcgpu.spec import Spec, dump_spec
+from hpcgpu.spec import Spec
 
 Options = list[tuple[str, "str | None"]]
 
@@ -110,8 +110,7 @@ def resumable_run(spec: Spec, registry: Registry, held: contextlib.ExitStack,
         live = ", ".join(f"{j.job_id} {j.state}" for j in jobs if not is_final(j.state)) or "no ended job recorded"
         say(f"the unfinished run {run_dir} may still run ({live}); starting a new run (--new says so at once)")
         return None
-    if RunPaths(run_dir).spec.read_text() != (text := dump_spec(spec)):
-        write_atomic(RunPaths(run_dir).spec, text)  # an infer run going on with another replica count
+    take_spec(run_dir, spec)
     say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
     return run_dir
 
