@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import IO, Callable
 
 from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_LOCAL_JOB, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED,
-                             EXIT_STOPPED, Failure, RunPaths, attempt_id, is_finished, record_failure, signal_hint,
-                             write_finished)
+                             EXIT_STOPPED, Failure, RunPaths, attempt_id, is_finished, read_failures, record_failure,
+                             signal_hint, write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
@@ -187,6 +187,16 @@ def record_end(rank: Rank, code: int) -> None:
                                          time.time()))  # kept: a record the rank wrote itself wins
 
 
+def earliest_recorded(failed: list[tuple[Rank, int]]) -> tuple[Rank, int]:
+    """Of the ranks found failed in one look, the one whose failure record is oldest: its output holds
+    the error line (the others deferred to it), so its log's end is the one the console is shown."""
+    run_dir, attempt = failed[0][0].run_dir, failed[0][0].attempt
+    if run_dir is None or len(failed) == 1:
+        return failed[0]
+    times = {f.rank: f.time for f in read_failures(run_dir, attempt)}
+    return min(failed, key=lambda rc: (times.get(rc[0].index, float("inf")), rc[0].index))
+
+
 def exited_text(failed: list[tuple[Rank, int]]) -> str:
     """'rank 1 exited with code 2', or 'ranks 0, 1 exited with codes 2, 2' for ranks found failed together."""
     if len(failed) == 1:
@@ -249,9 +259,10 @@ def watch_ranks(ranks: list[Rank], interrupted: list[float], say: Callable[[str]
         # stopped at a checkpoint (75) did not fail: its peers are stopping too, within a grace.
         failed = [(r, r.proc.returncode) for r in ranks if r.proc.poll() not in (None, 0, EXIT_STOPPED)]
         if failed and first_failure is None and len(interrupted) < 2:
-            first_failure = (failed[0][0].index, failed[0][1])
             for r, code in failed:
                 record_end(r, code)
+            first = earliest_recorded(failed)
+            first_failure = (first[0].index, first[1])
             say(f"{exited_text(failed)}; stopping the other ranks")
             _signal_all(ranks, signal.SIGTERM)
             deadline = time.monotonic() + STOP_GRACE_S

@@ -290,6 +290,7 @@ def test_a_second_ctrl_c_kills_and_is_a_cancellation_not_a_failure(tmp_path: Pat
 def test_ranks_that_fail_together_are_all_named(tmp_path: Path) -> None:
     """Two ranks that exit before the executor looks: naming only the first one it polls (rank 0)
     contradicted the failure records, which said rank 1 failed first."""
+    from hpcgpu.contract import Failure, record_failure
     from hpcgpu.launch.local import Rank, wait_ranks
     from hpcgpu.spec import spec_from_raw
 
@@ -300,10 +301,19 @@ def test_ranks_that_fail_together_are_all_named(tmp_path: Path) -> None:
         ranks.append(Rank(i, proc, log))
     for r in ranks[:2]:
         r.proc.wait()
+    # rank 1 recorded its failure (and printed the job's one error line) before rank 0 did: its log's
+    # end is what the console is shown, whichever rank the executor happened to poll first
+    for r in ranks:
+        r.run_dir, r.attempt = tmp_path, "local-1.0"
+    for rank, at in ((1, 100.0), (0, 101.0)):
+        record_failure(tmp_path, Failure("local-1.0", rank, "n", 2, "cannot load", at))
+    ranks[1].log.write("hpcgpu: error: model.name_or_path: cannot load\n")
+    ranks[1].log.flush()
     said: list[str] = []
     spec = spec_from_raw(command_spec("both", "", tmp_path) | {"runs_dir": str(tmp_path)})
     assert wait_ranks(ranks, spec, said.append) == 2
     assert said[0] == "ranks 0, 1 exited with codes 2, 2; stopping the other ranks"
+    assert "rank 1 exited with code 2; the end of its log" in said[-1] and "cannot load" in said[-1], said
     assert ranks[2].proc.returncode == -signal.SIGTERM  # the one still running was stopped
 
 
