@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -21,7 +23,7 @@ from hpcgpu.procs import child_dies_with_me
 from hpcgpu.runtime.preempt import stop_signals
 from hpcgpu.runtime.stop import StopNote, stop_job
 from hpcgpu.spec import Spec
-from hpcgpu.spec.derive import nccl_env
+from hpcgpu.spec.derive import nccl_env, signal_name
 
 
 def command_env(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> dict[str, str]:
@@ -29,10 +31,13 @@ def command_env(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> d
     for key, value in nccl_env(spec).items():
         out.setdefault(key, value)
     out.update(env.torchrun_vars())
-    if not ranks_have_gpus(out):
+    has_gpus = ranks_have_gpus(out)
+    if not has_gpus:
         # accelerate-based scripts (the HF Trainer, run_clm_no_trainer.py) would otherwise train one
         # model per rank on CPU, all writing the same output dir, without a word
         out.setdefault("ACCELERATE_USE_CPU", "true")
+    for key, value in lightning_env(env, paths, has_gpus, spec.gpus_per_task).items():
+        out.setdefault(key, value)
     out.update(spec.env)
     threads = str(thread_cap(out, spec, env))
     for name in THREAD_VARS:  # unless the user set them: OpenMP and MKL take every core otherwise
@@ -46,6 +51,21 @@ def command_env(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> d
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def lightning_env(env: DistEnv, paths: RunPaths, has_gpus: bool, gpus_per_task: int) -> dict[str, str]:
+    """The job's shape as Lightning's Trainer defaults (it reads PL_TRAINER_<ARG> for any argument the
+    script does not pass): an unchanged `Trainer()` takes 1 device and, on a 1x2 allocation, ran as two
+    lone trainings writing the same lightning_logs/. default_root_dir is the run dir: its logs, its
+    checkpoints and its SLURM requeue checkpoint (hpc_ckpt_N.ckpt) belong to this run, and a new run
+    of the spec does not resume from the last one's."""
+    out = {"PL_TRAINER_DEFAULT_ROOT_DIR": str(paths.run_dir)}
+    if gpus_per_task == 1:  # a rank driving several GPUs is its program's own layout, not Lightning's
+        out["PL_TRAINER_DEVICES"] = str(env.local_world_size)
+        out["PL_TRAINER_NUM_NODES"] = str(env.num_nodes)
+    if not has_gpus:
+        out["PL_TRAINER_ACCELERATOR"] = "cpu"
+    return out
 
 
 def thread_cap(environ: dict[str, str], spec: Spec, env: DistEnv) -> int:
@@ -74,8 +94,13 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     proc: subprocess.Popen | None = None
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        # once per signal: under `scancel --full` it reaches us from SLURM and from the batch script,
+        # and a program whose handler checkpoints and requeues (Lightning's) must not run it twice
+        if signum in received:
+            return
         received.append(signum)
         if proc is not None:
+            warn_unhandled(proc.pid, signum, spec, env)
             proc.send_signal(signum)  # the program decides how to checkpoint and stop
 
     previous = {s: signal.signal(s, forward) for s in stops}
@@ -86,17 +111,26 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         proc = start_program(spec, spec_path, paths, env)
         if received:
             proc.send_signal(received[0])  # it came in the instant the program was being started
+        rendezvous = RendezvousWatch(env) if env.is_main and env.world_size > 1 else None
         # local rank 0 of each node samples the node's GPUs while the program runs, as for train
         with GpuMonitor(paths.run_dir, env.local_rank, spec.monitor.interval_s, node_rank=env.node_rank,
                         enabled=spec.monitor.enabled):
             code = proc.wait()
-        if code < 0 and -code in stops and not received:
+        told_to_stop = bool(received)  # before the program ended: a signal after it is not why it ended
+        if code != 0 and not received:  # it may have ended of SLURM's own copy of a stop signal
             wait_for_our_copy(received)
+            told_to_stop = bool(received)
+        if rendezvous is not None:
+            rendezvous.stop()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
-    if not received:
+    if rendezvous is not None and code == 0 and not received and not rendezvous.seen:
+        print(f"hpcgpu: warning: {rendezvous.lone_runs_text()}", file=sys.stderr, flush=True)
+    if not told_to_stop:
+        # the program ended on its own (a crash is this rank's failure, recorded as such) even where
+        # srun's teardown of the step reached this wrapper a moment later
         return code
     # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
@@ -130,9 +164,10 @@ OUR_COPY_WAIT_S = 2.0
 
 
 def wait_for_our_copy(received: list[int]) -> None:
-    """The program died of a stop signal we have not seen: SLURM signals every process of the step
-    (preemption, `scontrol requeue`, scancel), and the program may die of its copy before ours
-    arrives. Without this wait the exit would read as the program crashing on its own."""
+    """The program failed and we have seen no stop signal: SLURM signals every process of the step
+    (preemption, `scontrol requeue`, scancel), and the program may end of its copy (die of it, or
+    handle it and exit) before ours arrives. Without this wait that would read as the program
+    crashing on its own; a real crash is reported OUR_COPY_WAIT_S later."""
     deadline = time.monotonic() + OUR_COPY_WAIT_S
     while not received and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -143,3 +178,83 @@ def stop_before_start(spec: Spec, env: DistEnv, run_dir: Path) -> int:
     nothing failed: no torn-down check)."""
     note = StopNote({}, "the stop signal came before the program started; not starting it")
     return stop_job(spec, env, run_dir, None, note, say=rank0_prints(env))
+
+
+def caught_signals(pid: int) -> set[int] | None:
+    """The signals process `pid` has a handler for or ignores (Linux /proc: SigCgt | SigIgn); None
+    where that cannot be read."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+        mask = int(fields["SigCgt"], 16) | int(fields["SigIgn"], 16)
+    except (OSError, KeyError, ValueError):
+        return None
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def warn_unhandled(pid: int, signum: int, spec: Spec, env: DistEnv) -> None:
+    """The preemption signal about to reach a program that has no handler for it ends the program at
+    once, without a checkpoint: said once, by rank 0, with the signal its framework listens to."""
+    ours = getattr(signal, f"SIG{signal_name(spec)}", None)
+    caught = caught_signals(pid)
+    if not env.is_main or signum != ours or caught is None or signum in caught:
+        return
+    hint = " (Lightning saves on SIGUSR1: set slurm.signal: USR1)" if signal.SIGUSR1 in caught else ""
+    print(f"hpcgpu: warning: the program has no handler for {signal.Signals(signum).name}: it ends now without a "
+          f"checkpoint of its own{hint}; docs/frameworks.md lists the signal each framework listens to",
+          file=sys.stderr, flush=True)
+
+
+class RendezvousWatch:
+    """Whether anything listened on MASTER_PORT while the program ran, seen by rank 0's wrapper on its
+    node: torch.distributed's env:// rendezvous (torchrun scripts, Lightning, accelerate, the HF
+    Trainer) starts a store there in rank 0. A job of N ranks that never did ran N lone programs (a
+    Lightning `Trainer(devices=1)` on a 1x2 allocation trained twice, COMPLETED without a word)."""
+
+    FAST_S, SLOW_S, FAST_FOR_S = 0.1, 1.0, 30.0  # a short program binds and ends quickly
+
+    def __init__(self, env: DistEnv):
+        self.env, self.seen = env, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="hpcgpu-rendezvous")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        start = time.monotonic()
+        while not self._done.is_set():
+            listening = port_listening(self.env.master_port)
+            if listening is None or listening:
+                self.seen = True  # found, or cannot be told here (no /proc): never a false warning
+                return
+            fast = time.monotonic() - start < self.FAST_FOR_S
+            self._done.wait(self.FAST_S if fast else self.SLOW_S)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2)
+
+    def lone_runs_text(self) -> str:
+        n = self.env.world_size
+        return (f"the {n} ranks did not form one job: nothing listened on MASTER_PORT {self.env.master_port} while "
+                f"the program ran, where torch.distributed's rendezvous starts, so each rank most likely ran alone "
+                f"({n} separate runs writing the same outputs; e.g. a Lightning Trainer(devices=1), or a script "
+                f"that does not read WORLD_SIZE). Ignore this if the ranks are meant to work apart")
+
+
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+
+
+def port_listening(port: int) -> bool | None:
+    """Whether a TCP socket on this host listens on `port` (IPv4 or IPv6); None without /proc."""
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found_table = True
+        for line in lines:
+            parts = line.split()
+            if len(parts) > 3 and parts[3] == LISTEN and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False if found_table else None

@@ -1,0 +1,63 @@
+"""Lightning scripts, unchanged, as `task: command` jobs on the real cluster: one distributed job of the
+allocation's shape (an unchanged `Trainer()` takes it from PL_TRAINER_*), and a preempted run that
+resumes from Lightning's own requeue checkpoint with one requeue."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+FIXTURES = Path(__file__).resolve().parents[1] / "unit" / "fixtures" / "frameworks" / "lightning"
+
+
+def lightning_spec(name: str, script: str, out: Path, nodes: int, **more: object) -> dict:
+    return {"name": name, "task": "command", "command": [sys.executable, str(FIXTURES / script)],
+            "resources": {"nodes": nodes, "gpus": 2 // nodes, "cpus_per_gpu": 1, "time": "00:05:00"},
+            "env": {"OUT": str(out), "PYTHONPATH": str(FIXTURES)}, **more}
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_bug_report_model_runs_as_one_job_of_the_allocation(slurm, nodes: int) -> None:
+    spec = slurm.write_spec(lightning_spec(f"plbug{nodes}", "bug_report_model.py", slurm.tmp, nodes))
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    info = slurm.wait(job, timeout=180)
+    out = slurm.job_output(run_dir, job)
+    assert info["JobState"] == "COMPLETED", out
+    # Lightning's own words, one per rank: both joined one group of 2, over `nodes` nodes
+    assert "0: Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/2" in out, out
+    assert "1: Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out, out
+    assert "did not form one job" not in out
+
+
+def test_a_preempted_lightning_job_resumes_from_its_checkpoint_with_one_requeue(slurm) -> None:
+    """slurm.signal USR1 (Lightning's requeue signal): its handler saves hpc_ckpt_1.ckpt in the run
+    dir and requeues the job; hpcgpu reports the requeue (not a failure) and requeues nothing itself;
+    the next run resumes from the checkpoint and completes."""
+    doc = lightning_spec("plpre", "preemptible.py", slurm.tmp, 1, slurm={"signal": "B:USR1@60"})
+    doc["env"].update(EPOCHS="10", STEP_S="0.1")  # 160 steps of 0.1 s
+    script, run_dir = slurm.render(slurm.write_spec(doc))
+    job = slurm.sbatch(script)
+    slurm.wait_for(lambda: slurm.job_output(run_dir, job).count("SLURM auto-requeueing enabled") == 2,
+                   timeout=120, what="both ranks to train (Lightning's handlers set)")
+    time.sleep(3)  # some steps in
+    subprocess.run(["scancel", "--signal=USR1", "--full", job], check=True)
+    info = slurm.wait(job, timeout=240, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    out = slurm.job_output(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
+    assert list(run_dir.glob("hpc_ckpt_*.ckpt")), out
+    first = [json.loads(p.read_text()) for p in sorted(slurm.tmp.glob("rank*-run0.json"))]
+    assert not first, "the first run was to be stopped before its end"
+    again = [json.loads(p.read_text()) for p in sorted(slurm.tmp.glob("rank*-run1.json"))]
+    assert [r["world_size"] for r in again] == [2, 2], out
+    assert all(r["ckpt_path"] and "hpc_ckpt" in r["ckpt_path"] and r["start_step"] > 0 for r in again), again
+    assert all(r["end_step"] == 160 for r in again), again  # 10 epochs of 64 rows, batch 2, over 2 ranks
+    assert "requeued from outside" in out and "requeued job" not in out, out
+    view = slurm.status(job)
+    assert view["state"] == "COMPLETED", view
