@@ -62,7 +62,8 @@ def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, 
     if failure is None and unit.exit_code == EXIT_STOPPED:
         return {}, stopped_not_requeued(out_lines + err_lines, unit_id)
     if failure is None:
-        line = last_line(err_lines, rank=None)  # the batch script's own: a setup line that failed
+        # the batch script's own (a setup line that failed) or srun's refusal to start the step
+        line = last_line(err_lines, rank=None, srun_errors=True)
         how = "no exit code known" if unit.exit_code is None else f"exit code {unit.exit_code}"
         return {}, how + (f": {line}" if line else "")
     srun_says = srun.how if srun is not None and srun.rank == failure.rank and "exit code" not in srun.how else ""

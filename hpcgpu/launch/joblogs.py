@@ -20,6 +20,7 @@ LOG_TAIL_BYTES = 64 * 1024  # failures are at the end of a log: never read a who
 SRUN_TASK_LINE = re.compile(r"^srun: error: (?P<node>[^\s:]+): tasks? (?P<tasks>\d[\d,\-]*): (?P<how>.+?)\s*$")
 RANK_LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label pads the rank to the widest one
 SCHEDULER_LINE = re.compile(r"^(srun|slurmstepd(-[^\s:]+)?|slurmd)(\[\d+\])?: ")
+SRUN_ERROR = re.compile(r"^srun: (error|fatal): ")
 # the GPU monitor's end-of-job summary comes after a program's last error: it is never the reason
 MONITOR_LINE = re.compile(r"^(\d\d:\d\d:\d\d )?(\[rank \d+\] )?gpu monitor: ")
 SIGNAL_TEXTS = {text.lower(): int(sig) for sig in signal.Signals if (text := signal.strsignal(sig))}
@@ -111,9 +112,10 @@ def rank_error_line(rank: int, *logs: list[str]) -> str:
     return ""
 
 
-def last_line(lines: list[str], rank: int | None = -1) -> str:
+def last_line(lines: list[str], rank: int | None = -1, srun_errors: bool = False) -> str:
     """The last non-empty line: of one rank (`N: ` labels), of no rank (None: the batch script's
-    own lines), or any (-1: an unlabelled log); scheduler lines are skipped."""
+    own lines), or any (-1: an unlabelled log); scheduler lines are skipped, but for srun's own
+    errors where `srun_errors` (a step that never started: "srun: error: Unable to confirm allocation")."""
     for line in reversed(lines):
         m = RANK_LABEL.match(line)
         if rank == -1:
@@ -123,6 +125,8 @@ def last_line(lines: list[str], rank: int | None = -1) -> str:
         else:
             text = m.group(2) if m and int(m.group(1)) == rank else ""
         text = text.strip()
+        if srun_errors and SRUN_ERROR.match(text):
+            return text
         if text and not SCHEDULER_LINE.match(text) and not MONITOR_LINE.match(text):
             return text
     return ""

@@ -38,6 +38,18 @@ def test_failed_status_names_rank_node_exit_code_and_last_error_line(slurm) -> N
     assert f"reason    rank 1 on {hosts[1]} failed with exit code 3" in slurm.hpcgpu("status", job).stdout
 
 
+def test_a_step_srun_refuses_to_start_fails_with_srun_s_line(slurm) -> None:
+    """A setup line that breaks the allocation's variables: srun never starts a rank, and the reason is
+    srun's own error line, not a bare exit code."""
+    spec = slurm.write_spec({"name": "nostep", "task": "command", "command": [sys.executable, "-c", "pass"],
+                             "resources": {"gpus": 1, "cpus_per_gpu": 1, "time": "00:05:00"},
+                             "slurm": {"requeue": False, "setup": ["export SLURM_JOB_ID=4242"]}})
+    job, _, _ = slurm.submit(spec)
+    view, _ = slurm.wait_status(job, timeout=90)
+    assert view["state"] == "FAILED", view
+    assert view["reason"].startswith("exit code 1: srun: error: ") and "4242" in view["reason"], view
+
+
 def test_requeued_job_adds_up_its_runs_and_holds_no_nodes_while_waiting(slurm) -> None:
     spec = slurm.write_spec({"name": "twice", "task": "command",
                              "command": [sys.executable, "-c", "import time; time.sleep(8)"],
