@@ -31,7 +31,8 @@ from hpcgpu.launch.liveness import executor_alive, process_start
 from hpcgpu.launch.local import check_fits_here, local_gpus, run_local
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import find_finished_run, find_unfinished_run, make_run_dir, take_spec
+from hpcgpu.launch.rundir import (find_finished_run, find_unfinished_run, make_run_dir, shared_folder_note,
+                                  take_spec)
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.scheduler import format_duration
 from hpcgpu.launch.state import array_state
@@ -199,6 +200,9 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
                     if attempt == 2:
                         raise
         assert run_dir is not None
+        note = shared_folder_note(spec, run_dir)
+        if note:
+            say(note)
         record = registry.add(new_record(spec, spec_ref, run_dir, pid=os.getpid()))
         started(record)
         run_recorded(registry, record, spec, run_dir, echo=echo, say=say)

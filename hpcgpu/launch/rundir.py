@@ -159,3 +159,21 @@ def find_finished_run(spec: Spec) -> Path | None:
     """The newest run dir of this spec (identical resolved spec) that finished."""
     return next((run_dir for run_dir in runs_of_this_spec(spec) if is_finished(run_dir)), None)
 
+
+
+def shared_folder_note(spec: Spec, run_dir: Path) -> str | None:
+    """For a command's new run beside earlier runs of the spec's name: the program works in the submit
+    folder (as under sbatch and submitit), which they all share, so what it writes there by relative path
+    (a snapshot it resumes from) is the earlier runs' too. None for other tasks or a first run."""
+    if spec.task != "command":
+        return None
+    base = Path(spec.runs_dir).expanduser() / spec.name
+    try:
+        earlier = any(p.is_dir() and p.resolve() != run_dir.resolve() for p in base.iterdir())
+    except OSError:
+        return None
+    if not earlier:
+        return None
+    return (f"note: the program runs in {Path.cwd()}, which every run of {spec.name} submitted from here shares: "
+            "what it writes there by relative path (and resumes from) is the earlier runs' too; "
+            "write to ${HPCGPU_RUN_DIR} (this run's folder) for outputs of this run alone")

@@ -17,7 +17,7 @@ from hpcgpu.errors import HpcgpuError, SchedulerError
 from hpcgpu.launch.options import per_node_text, sbatch_options
 from hpcgpu.launch.preflight import check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_of_this_spec, take_spec
+from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_of_this_spec, shared_folder_note, take_spec
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
@@ -78,6 +78,9 @@ def submit_single(spec: Spec, spec_file: str, registry: Registry, fresh: bool = 
         run_dir = None if fresh else resumable_run(spec, registry, held, say)
         made = run_dir is None
         run_dir = make_run_dir(spec) if run_dir is None else run_dir
+        note = shared_folder_note(spec, run_dir) if made else None
+        if note:
+            say(note)
         try:
             job_id = submit_plan(single_plan(spec, run_dir))
         except HpcgpuError:

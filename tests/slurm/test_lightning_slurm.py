@@ -16,6 +16,12 @@ pytestmark = pytest.mark.slurm
 FIXTURES = Path(__file__).resolve().parents[1] / "unit" / "fixtures" / "frameworks" / "lightning"
 
 
+def sbatch_in(folder: Path, script: Path) -> str:
+    proc = subprocess.run(["sbatch", "--parsable", f"--chdir={folder}", str(script)], capture_output=True,
+                          text=True, timeout=30, check=True)
+    return proc.stdout.strip().split(";")[0]
+
+
 def lightning_spec(name: str, script: str, out: Path, nodes: int, **more: object) -> dict:
     return {"name": name, "task": "command", "command": [sys.executable, str(FIXTURES / script)],
             "resources": {"nodes": nodes, "gpus": 2 // nodes, "cpus_per_gpu": 1, "time": "00:05:00"},
@@ -26,7 +32,7 @@ def lightning_spec(name: str, script: str, out: Path, nodes: int, **more: object
 def test_the_bug_report_model_runs_as_one_job_of_the_allocation(slurm, nodes: int) -> None:
     spec = slurm.write_spec(lightning_spec(f"plbug{nodes}", "bug_report_model.py", slurm.tmp, nodes))
     script, run_dir = slurm.render(spec)
-    job = slurm.sbatch(script)
+    job = sbatch_in(slurm.tmp, script)  # the script writes lightning_logs/ into its working directory
     info = slurm.wait(job, timeout=180)
     out = slurm.job_output(run_dir, job)
     assert info["JobState"] == "COMPLETED", out
@@ -43,7 +49,7 @@ def test_a_preempted_lightning_job_resumes_from_its_checkpoint_with_one_requeue(
     doc = lightning_spec("plpre", "preemptible.py", slurm.tmp, 1, slurm={"signal": "B:USR1@60"})
     doc["env"].update(EPOCHS="10", STEP_S="0.1")  # 160 steps of 0.1 s
     script, run_dir = slurm.render(slurm.write_spec(doc))
-    job = slurm.sbatch(script)
+    job = sbatch_in(slurm.tmp, script)
     slurm.wait_for(lambda: slurm.job_output(run_dir, job).count("SLURM auto-requeueing enabled") == 2,
                    timeout=120, what="both ranks to train (Lightning's handlers set)")
     time.sleep(3)  # some steps in

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,15 +140,27 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
 
 
 def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> subprocess.Popen:
-    argv = list(spec.command or [])
+    program_env = command_env(spec, spec_path, paths, env)
+    argv = [run_vars_in(arg, program_env) for arg in spec.command or []]
     try:
-        program_env = command_env(spec, spec_path, paths, env)
         # through a shim that dies with this wrapper: no program outlives a killed launcher
         return subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
     except FileNotFoundError:
         raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
     except PermissionError:
         raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
+
+
+RUN_VARS = (ENV_RUN_DIR, ENV_CHECKPOINT_DIR)  # the folders only the job knows, for arguments like --output_dir
+
+
+def run_vars_in(arg: str, environ: dict[str, str]) -> str:
+    """`${HPCGPU_RUN_DIR}` / `$HPCGPU_RUN_DIR` (and HPCGPU_CHECKPOINT_DIR) in an argument replaced by the
+    job's value: a command is run without a shell, and its outputs belong in the run dir."""
+    for name in RUN_VARS:
+        arg = arg.replace("${" + name + "}", environ[name])
+        arg = re.sub(r"\$" + name + r"(?![A-Za-z0-9_])", lambda _: environ[name], arg)
+    return arg
 
 
 def rank0_prints(env: DistEnv) -> Callable[[str], None]:
