@@ -18,7 +18,8 @@ def test_arguments_name_the_run_dir_and_a_second_run_says_the_folder_is_shared(t
 
     spec = write_spec_file(tmp_path, {"name": "outs", "task": "command", "resources": {"gpus": 1},
                                       "command": [sys.executable, "-c", PROGRAM, "${HPCGPU_RUN_DIR}/out",
-                                                  "$HPCGPU_CHECKPOINT_DIR", "$HPCGPU_RUN_DIRX"]})
+                                                  "$HPCGPU_CHECKPOINT_DIR", "$HPCGPU_RUN_DIRX",
+                                                  "--local_rank=${LOCAL_RANK}"]})
     runs = []
     for _ in range(2):
         proc = subprocess.run(submit_cmd(spec, "--new"), capture_output=True, text=True, env=job_env(),
@@ -27,7 +28,8 @@ def test_arguments_name_the_run_dir_and_a_second_run_says_the_folder_is_shared(t
         runs.append(proc.stderr)
     run_dirs = sorted((tmp_path / "runs" / "outs").iterdir())
     seen = json.loads((run_dirs[0] / "out" / "seen.json").read_text())
-    assert seen["argv"] == [f"{run_dirs[0]}/out", f"{run_dirs[0]}/checkpoints", "$HPCGPU_RUN_DIRX"]
+    assert seen["argv"] == [f"{run_dirs[0]}/out", f"{run_dirs[0]}/checkpoints", "$HPCGPU_RUN_DIRX",
+                            "--local_rank=0"]
     assert seen["cwd"] == str(tmp_path)  # the submit folder, as sbatch gives it
     assert "note:" not in runs[0]
     assert f"note: the program runs in {tmp_path}, which every run of outs submitted from here shares" in runs[1]

@@ -151,12 +151,14 @@ def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) ->
         raise HpcgpuError(f"command: program {argv[0]!r} is not executable") from None
 
 
-RUN_VARS = (ENV_RUN_DIR, ENV_CHECKPOINT_DIR)  # the folders only the job knows, for arguments like --output_dir
+# what only the job knows, for arguments: --output_dir under the run dir, the --local_rank=N that
+# DeepSpeed's launcher passes its scripts
+RUN_VARS = (ENV_RUN_DIR, ENV_CHECKPOINT_DIR, "LOCAL_RANK", "RANK", "WORLD_SIZE")
 
 
 def run_vars_in(arg: str, environ: dict[str, str]) -> str:
-    """`${HPCGPU_RUN_DIR}` / `$HPCGPU_RUN_DIR` (and HPCGPU_CHECKPOINT_DIR) in an argument replaced by the
-    job's value: a command is run without a shell, and its outputs belong in the run dir."""
+    """`${NAME}` / `$NAME` of RUN_VARS in an argument replaced by this rank's value: a command is run
+    without a shell."""
     for name in RUN_VARS:
         arg = arg.replace("${" + name + "}", environ[name])
         arg = re.sub(r"\$" + name + r"(?![A-Za-z0-9_])", lambda _: environ[name], arg)
