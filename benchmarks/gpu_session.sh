@@ -40,7 +40,8 @@
 #            the spec's default engine (slots; SCALING_ENGINE=batches: the previous one), pooled over
 #            calls in /tmp/ib; a round ~ rows x sum(1/width) / $SCALING_RATE (rows/s of one replica,
 #            default 90) of loops + ~45 s a process), infer-tests,
-#            doctor-tests (#33's doctor on every GPU, and the slot engine's GPU tests), observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
+#            doctor-tests (#33's doctor on every GPU, a stalled rank under NCCL named within its timeout,
+#            and the slot engine's GPU tests; ~4 min on 2 GPUs), observe-tests (#17), own-model-tests (#18: SyncBN, OOM fallback, gradient checkpointing's
 #            peak memory), dataparallel (README's DataParallel figure), train-round ($TRAIN_ROUNDS train_vs_loops rounds, default 1, of $TRAIN_PROGRAMS
 #            (default all three; "minimal,hpcgpu" is enough for the 1-GPU side of the scaling); the deadline stops
 #            between runs, and the next call completes a cut round),
@@ -129,8 +130,8 @@ run_step() {
     infer-tests) fits 120 && pytest_gpu tests/gpu/test_gpu_infer.py -k "two_replicas or split" \
         | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
     observe-tests) fits 90 && pytest_gpu tests/gpu/test_gpu_observe.py | tee -a "$OUT/gpu_tests.log" | tail -15 ;;
-    doctor-tests) fits 120 && pytest_gpu tests/gpu/test_gpu_doctor.py tests/gpu/test_gpu_slots.py \
-        | tee -a "$OUT/gpu_tests.log" | tail -40 ;;
+    doctor-tests) fits 240 && pytest_gpu tests/gpu/test_gpu_doctor.py tests/gpu/test_gpu_stall.py tests/gpu/test_gpu_slots.py \
+        | tee -a "$OUT/gpu_tests.log" | tail -60 ;;
     profile-test) fits 90 && pytest_gpu tests/gpu/test_gpu_train.py -k profile | tee -a "$OUT/gpu_tests.log" | tail -30 ;;
     own-model-tests) fits 180 && pytest_gpu tests/gpu/test_gpu_prepare.py tests/gpu/test_gpu_train.py \
         tests/gpu/test_gpu_layer.py -k "sync_batchnorm or does_not_fit or gradient_checkpointing" \
