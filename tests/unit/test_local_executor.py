@@ -89,6 +89,9 @@ def command_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[su
         "envdump": dump,
         "exit7": "import os, sys; sys.exit(7 if os.environ['RANK'] == '1' else 0)",
         "killed": "import os, signal; os.environ['RANK'] == '2' and os.kill(os.getpid(), signal.SIGKILL)",
+        # every rank fails on its own at one moment (the same bug in all): none of them was "stopped"
+        "together": (f"import os, sys, time; time.sleep(max(0.0, {time.time() + 8} - time.time())); "
+                     "sys.exit(3 + int(os.environ['RANK']))"),
     }
     folders = {key: tmp_path_factory.mktemp(key) for key in codes}
     paths = {key: (write_spec_file(folders[key], command_spec(key, code, folders[key])), ())
@@ -124,6 +127,19 @@ def test_command_exit_code_passes_through(command_jobs: dict) -> None:
 def test_command_killed_by_a_signal_exits_128_plus_n(command_jobs: dict) -> None:
     proc, _ = command_jobs["killed"]
     assert proc.returncode == 128 + signal.SIGKILL, proc.stdout + proc.stderr
+
+
+def test_ranks_that_die_on_their_own_each_record_their_failure(command_jobs: dict) -> None:
+    """A rank whose program ended on its own before the executor stopped the others is that rank's
+    failure (its exit code, a record), not "stopped because rank 0 failed"."""
+    from hpcgpu.contract import read_failures
+
+    proc, folder = command_jobs["together"]
+    (run_dir,) = (folder / "runs").glob("*/*")
+    codes = {f.rank: f.exit_code for f in read_failures(run_dir)}
+    assert codes == {0: 3, 1: 4, 2: 5}, (codes, proc.stdout, proc.stderr)
+    for rank in (1, 2):
+        assert "was stopped because" not in (run_dir / "logs" / f"rank-{rank}.log").read_text()
 
 
 def test_callable_gets_a_context_and_a_gloo_group(tmp_path: Path) -> None:
