@@ -86,9 +86,10 @@ def config_weights(spec: Spec) -> int | None:
 
 
 def quantization_problem(spec: Spec, *, local: bool) -> str | None:
-    """model.quantization needs bitsandbytes (the job runs this Python) and, here, a GPU."""
+    """model.quantization (infer, or QLoRA in train) needs bitsandbytes (the job runs this Python) and,
+    here, a GPU."""
     q = spec.model.quantization
-    if spec.task != "infer" or q == "none":
+    if spec.task not in ("infer", "train") or q == "none":
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         return (f"model.quantization: {q} needs bitsandbytes, which this Python does not have: "

@@ -267,6 +267,10 @@ def _check_task_needs(spec: Spec, lines: LineMap, *, need_data: bool) -> None:
         raise lines.error("entry", "task: callable needs `entry: pkg.module:function`")
     if spec.model.config is not None and "model_type" not in spec.model.config:
         raise lines.error("model.config", "needs model_type (e.g. gpt2, llama)")
+    if spec.model.adapter and spec.task != "infer":
+        raise lines.error("model.adapter", "is for task: infer (a train run with train.lora trains its own)")
+    if spec.train.lora is not None and spec.task != "train":
+        raise lines.error("train.lora", "is for task: train (task: infer takes a trained adapter as model.adapter)")
 
 
 def _check_env(spec: Spec, lines: LineMap) -> None:
@@ -306,6 +310,9 @@ def _check_slurm_extra(spec: Spec, lines: LineMap) -> None:
 def _check_infer(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     if not (spec.model.name_or_path or spec.model.config):
         raise lines.error("model", "task: infer needs model.name_or_path (a local model dir) or model.config")
+    if spec.model.adapter and not spec.model.name_or_path:
+        raise lines.error("model.adapter", "an adapter goes on its base: give model.name_or_path, the base it "
+                          "was trained on")
     if need_data and not spec.infer.input:
         raise lines.error("infer.input", "task: infer needs an input file (.jsonl or .txt)")
     if spec.model.quantization != "none" and not spec.model.name_or_path:
@@ -338,9 +345,16 @@ def _check_train_keys(spec: Spec, lines: LineMap) -> None:
     t = spec.train
     if spec.task != "train":
         return
-    if spec.model.quantization != "none":  # it would be ignored: the train task loads full weights
-        raise lines.error("model.quantization", "quantized weights are for task: infer; task: train trains "
-                          "the full weights (quantized training is not supported): use quantization: none")
+    if spec.model.quantization != "none" and t.lora is None:  # full training of quantized weights: no
+        raise lines.error("model.quantization", "a train spec trains quantized weights only through adapters: "
+                          "add train.lora (QLoRA: the base frozen in 4/8 bits), or use quantization: none")
+    if spec.model.quantization != "none" and not spec.model.name_or_path:
+        raise lines.error("model.quantization", "QLoRA quantizes a saved base as it loads: give model.name_or_path "
+                          "(a folder save_pretrained wrote), or use quantization: none")
+    if t.merge and t.lora is None:
+        raise lines.error("train.merge", "merges LoRA adapters into the base: it needs train.lora")
+    if t.lora is not None and isinstance(t.lora.target_modules, list) and not t.lora.target_modules:
+        raise lines.error("train.lora.target_modules", "an empty list adapts nothing: name layers, or use auto")
     if t.max_steps is not None and t.epochs is not None:
         raise lines.error("train.epochs", f"give train.max_steps ({t.max_steps}) or train.epochs ({t.epochs}), "
                           "not both")

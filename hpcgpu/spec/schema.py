@@ -178,8 +178,12 @@ class Model:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=meta(
         "dtype of the weights as loaded"))
     quantization: Literal["none", "int8", "int4"] = field(default="none", metadata=meta(
-        "weights quantized at load (task: infer, on a GPU): int8 (LLM.int8) or int4 (NF4) through "
-        "bitsandbytes (pip install 'hpcgpu[quant]')"))
+        "weights quantized at load, on a GPU, through bitsandbytes (pip install 'hpcgpu[quant]'): int8 "
+        "(LLM.int8) or int4 (NF4); task: infer, and task: train with train.lora (QLoRA: the frozen base in "
+        "4 or 8 bits, the adapters in the compute dtype)"))
+    adapter: Optional[str] = field(default=None, metadata=meta(
+        "task: infer: a LoRA adapter folder (a train run's model/ with train.lora) on top of "
+        "model.name_or_path, its base; merged into the weights at load unless they are quantized"))
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,17 @@ class Profile:
         "the first profiled optimizer step (1-based); the step before it runs under the profiler as an "
         "untimed warm-up", min=1))
     steps: int = field(default=3, metadata=meta("optimizer steps profiled", min=1))
+
+
+@dataclass(frozen=True)
+class Lora:
+    r: int = field(default=16, metadata=meta("rank of each adapter's two matrices", min=1))
+    alpha: float = field(default=32.0, metadata=meta(
+        "scale of the adapter's update: alpha / r times B A", min=0))
+    dropout: float = field(default=0.05, metadata=meta("dropout on the adapter's input", min=0, max=1))
+    target_modules: Union[Literal["auto"], list[str]] = field(default="auto", metadata=meta(
+        "the linear layers that get adapters, by name (q_proj, v_proj, c_attn, ...); auto: every linear "
+        "layer of the attention and MLP blocks (peft's all-linear: not the output head)"))
 
 
 @dataclass(frozen=True)
@@ -263,6 +278,14 @@ class Train:
     early_stopping: Optional[EarlyStopping] = field(default=None, metadata=meta(
         "stop when the eval loss has not improved for `patience` evals; keeps the best model in "
         "checkpoints/best/ (needs data.eval and train.eval_every)"))
+    lora: Optional[Lora] = field(default=None, metadata=meta(
+        "fine-tune LoRA adapters through peft instead of every weight: the base model stays frozen (bitwise), "
+        "checkpoints hold the adapters, optimizer, data position and RNG, and model/ is the adapter folder "
+        "(PeftModel.from_pretrained(base, dir)); with model.quantization int4/int8 the base is loaded in "
+        "4/8 bits (QLoRA, on a GPU)"))
+    merge: bool = field(default=False, metadata=meta(
+        "train.lora: also write merged/, the base with the adapters merged in, in the base's dtype (a full "
+        "model from_pretrained loads)"))
     profile: Optional[Profile] = field(default=None, metadata=meta(
         "runs torch.profiler over steps start_step..start_step+steps-1 of this start (a start resumed past "
         "start_step profiles nothing), writes <run dir>/profile/: rank{R}.trace.json (Perfetto, "
