@@ -182,6 +182,8 @@ SIGNAL_HINTS = {
                            "usual cause (dmesg on the node; sacct -j JOB -o MaxRSS where accounting works)"),
     128 + signal.SIGSEGV: "a segmentation fault in native code (a CUDA/NCCL library, a C extension)",
     128 + signal.SIGBUS: "a bus error: often /dev/shm full (DataLoader workers) or a file mapped and truncated",
+    128 + signal.SIGABRT: ("aborted (SIGABRT): often torch's NCCL watchdog after a collective timed out "
+                           "(distributed.nccl.timeout_s; the rank's log says which)"),
 }
 
 
@@ -275,6 +277,59 @@ def first_failure(run_dir: Path) -> Failure | None:
         return None
     last_attempt = failures[-1].attempt
     return next(f for f in failures if f.attempt == last_attempt)
+
+
+# --- a stalled peer: read from the ranks' progress files (runtime/watchdog.py writes them) ---------
+PROGRESS_ALIVE_S = 20.0  # a progress file older than this: its rank is gone, not stalled (4 x the check)
+EXIT_HUNG = 1  # a rank that made no progress for its hang limit
+
+
+def stalled_peer(run_dir: Path, attempt: str, rank: int, min_idle_s: float) -> Failure | None:
+    """After this rank's collective failed (or it died in one): the peer (of this attempt) that stopped
+    making progress outside a collective at least min_idle_s ago while still alive, the longest ago, as
+    its failure; None when no peer did. Read by the rank itself (runtime/tasks crashed) and by the local
+    executor for a rank that NCCL's watchdog killed (SIGABRT) before it could say so."""
+    now = time.time()
+    stalled = []
+    for path in (run_dir / FAILURES_DIR).glob(f"{attempt}.progress-*.json"):
+        try:
+            p = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (p.get("rank") == rank or p.get("in_collective") or now - float(p.get("written", 0)) > PROGRESS_ALIVE_S
+                or now - float(p.get("last_progress", now)) < min_idle_s):
+            continue
+        stalled.append(p)
+    if not stalled:
+        return None
+    p = min(stalled, key=lambda x: float(x["last_progress"]))
+    idle = now - float(p["last_progress"])
+    return Failure(attempt, int(p["rank"]), str(p.get("node", "")), EXIT_HUNG,
+                   f"made no progress for {idle:.0f} s (in {p.get('where', '?')}); rank {rank} timed out waiting "
+                   f"for it", float(p["last_progress"]))
+
+
+def in_collective(run_dir: Path, attempt: str, rank: int) -> bool:
+    """Whether the rank's last progress file saw its main thread inside torch.distributed."""
+    try:
+        return bool(json.loads((run_dir / FAILURES_DIR / f"{attempt}.progress-{rank}.json").read_text())
+                    .get("in_collective"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+FLIGHT_RECORDER_WAIT_S = 2.0  # NCCL's watchdog writes its dumps a moment after the timeout
+
+
+def flight_recorder_note(run_dir: Path) -> str:
+    """'; NCCL flight recorder dumps in DIR' where ranks dumped their last collectives (a timeout), else ''."""
+    folder = RunPaths(run_dir).nccl_traces
+    if not folder.is_dir():
+        return ""
+    deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
+    while not any(folder.glob("rank_*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return f"; NCCL flight recorder dumps in {folder}" if any(folder.glob("rank_*")) else ""
 
 
 # --- which signals reached the batch script (written by it, read by the ranks) --------------------

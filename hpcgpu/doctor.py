@@ -305,15 +305,16 @@ def check_in_job(out_dir: Path, quick: bool = False) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # unset: every GPU of the node (doctor here, a workstation)
     only_allreduce = os.environ.get("HPCGPU_DOCTOR_ALLREDUCE_ONLY") == "1"  # doctor here, its GPUs measured
     node_rows, gpus = nvml_checks(host)
     rows = node_rows if local == 0 and not only_allreduce else []  # the node's NVML rows once, from local rank 0
-    on_gpu = bool(gpus) and visible.strip() not in ("", "-1", "NoDevFiles")
+    on_gpu = bool(gpus) and (visible is None or visible.strip() not in ("", "-1", "NoDevFiles"))
     index = 0
     if on_gpu:
         import torch
 
+        on_gpu = torch.cuda.is_available()  # GPUs NVML (or a recording) names that CUDA cannot use: gloo
         index = local % max(1, torch.cuda.device_count())  # the GPUs this rank sees (SLURM may narrow them)
     if on_gpu and not only_allreduce:
         where = f"{host} rank {rank} (cuda:{index})"

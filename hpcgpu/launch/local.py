@@ -24,13 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Callable
 
 from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_LOCAL_JOB, ENV_PENDING_SIGNAL, ENV_RUN_DIR, EXIT_KILLED,
-                             EXIT_STOPPED, Failure, RunPaths, attempt_id, is_finished, read_failures, record_failure,
-                             signal_hint, write_finished)
+                             EXIT_STOPPED, Failure, RunPaths, attempt_id, flight_recorder_note, in_collective,
+                             is_finished, read_failures, record_failure, signal_hint, stalled_peer, write_finished)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
@@ -112,6 +112,7 @@ class Rank:
     log: IO[str]
     run_dir: Path | None = None
     attempt: str = ""
+    stall_s: float = 0.0  # a peer idle this long outside a collective is what this rank waited for (timeout/2)
 
 
 def _pump(src: IO[str], sinks: list[IO[str]]) -> None:
@@ -164,7 +165,7 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
         )
         if pipe:
             threading.Thread(target=_pump, args=(proc.stdout, [log, echo]), daemon=True).start()
-        ranks.append(Rank(i, proc, log, run_dir, attempt_id(env)))
+        ranks.append(Rank(i, proc, log, run_dir, attempt_id(env), spec.distributed.nccl.timeout_s / 2))
     return ranks
 
 
@@ -183,13 +184,21 @@ def record_end(rank: Rank, code: int) -> None:
     if rank.run_dir is None or code == EXIT_STOPPED:
         return
     shell = _shell_code(code)
+    if rank.stall_s and (shell == 128 + signal.SIGABRT or in_collective(rank.run_dir, rank.attempt, rank.index)) \
+            and all(f.rank != rank.index for f in read_failures(rank.run_dir, rank.attempt)):
+        # NCCL's watchdog ends a rank whose collective timed out (SIGABRT) before the rank can say whom it
+        # waited for: a live peer stalled outside a collective is the failure, as the rank's own
+        # crashed() would have said (runtime/tasks), timed at that peer's last progress
+        peer = stalled_peer(rank.run_dir, rank.attempt, rank.index, rank.stall_s)
+        if peer is not None:
+            record_failure(rank.run_dir, replace(peer, message=peer.message + flight_recorder_note(rank.run_dir)))
     record_failure(rank.run_dir, Failure(rank.attempt, rank.index, socket.gethostname(), shell, signal_hint(shell),
                                          time.time()))  # kept: a record the rank wrote itself wins
 
 
 def earliest_recorded(failed: list[tuple[Rank, int]]) -> tuple[Rank, int]:
-    """Of the ranks found failed in one look, the one whose failure record is oldest: its output holds
-    the error line (the others deferred to it), so its log's end is the one the console is shown."""
+    """Of the failed ranks, the one whose failure record is oldest: its output holds the error line (the
+    others deferred to it), so its log's end is the one the console is shown."""
     run_dir, attempt = failed[0][0].run_dir, failed[0][0].attempt
     if run_dir is None or len(failed) == 1:
         return failed[0]
@@ -286,6 +295,10 @@ def ranks_exit_code(ranks: list[Rank], first_failure: tuple[int, int] | None, ki
         first_failure = (failed[0].index, failed[0].proc.returncode) if failed else None
     if first_failure is None:
         return 0
+    failed = [(r, r.proc.returncode) for r in ranks if r.proc.returncode not in (0, None, EXIT_STOPPED)]
+    if len(failed) > 1:  # which failed first is for their records to say, not the order they were seen in
+        first = earliest_recorded(failed)
+        first_failure = (first[0].index, first[1])
     index, code = first_failure
     if index != 0 and code != EXIT_STOPPED:  # rank 0 is on the console already; show where the others failed
         say(f"rank {index} exited with code {_shell_code(code)}; the end of its log:\n" + tail(ranks[index].log.name))

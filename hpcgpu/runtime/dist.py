@@ -18,6 +18,7 @@ from hpcgpu.spec.derive import nccl_env
 log = logging.getLogger("hpcgpu")
 
 
+FLIGHT_RECORDER_DUMP_WAIT_MS = 5_000  # TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC: see flight_recorder_env
 DEFAULT_PG_TIMEOUT_S = 600  # the schema default of distributed.nccl.timeout_s, for hpcgpu.init() without a spec
 
 def export_rendezvous(env: DistEnv, spec: Spec | None) -> None:
@@ -42,7 +43,11 @@ def flight_recorder_env(trace_dir: Path) -> dict[str, str]:
     """torch's NCCL flight recorder: the last collectives of every rank, dumped to trace_dir/rank_<N>
     when one times out (what a mismatched or stalled collective was); a user's own settings win."""
     return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_dir / "rank_")}
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(trace_dir / "rank_"),
+            # NCCL's watchdog sleeps 4x this between a timed-out collective and taking the process down
+            # (torch's default 15 s: a minute of nothing after the timeout, seen on torch 2.11); 20 s
+            # still leaves every rank (told through the store, polled each second) time to dump
+            "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(FLIGHT_RECORDER_DUMP_WAIT_MS)}
 
 
 def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, alone: bool = False,

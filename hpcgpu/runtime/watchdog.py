@@ -30,7 +30,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hpcgpu.contract import FAILURES_DIR, Failure, record_failure, reserve_failure_record, reserve_path
+from hpcgpu.contract import (EXIT_HUNG, FAILURES_DIR, PROGRESS_ALIVE_S, Failure, record_failure,
+                             reserve_failure_record, reserve_path)
+from hpcgpu.contract import stalled_peer  # noqa: F401  (moved to the contract: the local executor reads it too)
 
 CHECK_S = 5.0  # how often the thread looks (and rewrites the progress file: shared filesystems)
 FLOOR_S = 300.0  # the derived limit is never shorter
@@ -38,8 +40,7 @@ STEP_FACTOR = 20  # the derived limit: this many median beat intervals
 FIRST_FACTOR = 3  # before the first beat: start-up, loading, compiling
 ARM_BEATS = 3  # beats before a derived limit applies
 SLOW_FACTOR = 4  # a checkpoint's save or load: this many limits
-EXIT_HUNG = 1
-ALIVE_S = 4 * CHECK_S  # a progress file older than this: its rank is gone, not stalled
+ALIVE_S = PROGRESS_ALIVE_S  # a progress file older than this: its rank is gone, not stalled
 
 _current: "Watchdog | None" = None
 
@@ -171,27 +172,3 @@ class Watchdog:
                 self.on_fire()
         finally:
             os._exit(EXIT_HUNG)
-
-
-def stalled_peer(run_dir: Path, attempt: str, rank: int, min_idle_s: float) -> Failure | None:
-    """After this rank's collective failed: the peer (of this attempt) that stopped making progress
-    outside a collective at least min_idle_s ago while still alive, the longest ago, as its failure;
-    None when no peer did."""
-    now = time.time()
-    stalled = []
-    for path in (run_dir / FAILURES_DIR).glob(f"{attempt}.progress-*.json"):
-        try:
-            p = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if (p.get("rank") == rank or p.get("in_collective") or now - float(p.get("written", 0)) > ALIVE_S
-                or now - float(p.get("last_progress", now)) < min_idle_s):
-            continue
-        stalled.append(p)
-    if not stalled:
-        return None
-    p = min(stalled, key=lambda x: float(x["last_progress"]))
-    idle = now - float(p["last_progress"])
-    return Failure(attempt, int(p["rank"]), str(p.get("node", "")), EXIT_HUNG,
-                   f"made no progress for {idle:.0f} s (in {p.get('where', '?')}); rank {rank} timed out waiting "
-                   f"for it", float(p["last_progress"]))

@@ -11,12 +11,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hpcgpu.contract import EXIT_STOPPED, Failure, RunPaths, attempt_id, record_failure
+from hpcgpu.contract import (EXIT_STOPPED, Failure, RunPaths, attempt_id, flight_recorder_note, record_failure,
+                             stalled_peer)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.requeue import TornDown, peer_failure, requeue_after_crash
 from hpcgpu.runtime.tasks.command import run_command
-from hpcgpu.runtime.watchdog import stalled_peer
 from hpcgpu.spec import Spec
 
 MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
@@ -131,20 +131,6 @@ def disk_full(exc: BaseException, run_dir: Path) -> str | None:
     if short_write and free >= FULL_BELOW:
         return None  # a short write on a disk with room: not this
     return f"no space left on device writing {path} ({free / 1e6:.1f} MB free there)"
-
-
-FLIGHT_RECORDER_WAIT_S = 2.0  # NCCL's watchdog writes its dumps a moment after the timeout
-
-
-def flight_recorder_note(run_dir: Path) -> str:
-    """'; NCCL flight recorder dumps in DIR' where ranks dumped their last collectives (a timeout), else ''."""
-    folder = RunPaths(run_dir).nccl_traces
-    if not folder.is_dir():
-        return ""
-    deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
-    while not any(folder.glob("rank_*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return f"; NCCL flight recorder dumps in {folder}" if any(folder.glob("rank_*")) else ""
 
 
 def short(text: str) -> str:
