@@ -3,7 +3,7 @@
 #   deepspeed (built here from its sdist: pure Python, its ops compile at first use), submitit and the
 #   small packages DeepSpeed needs; bitsandbytes (~43 MB) with WITH_BNB=1; tensorboard and what it
 #   needs (~20 MB, for the tracker's GPU test) with WITH_TB=1 (not both in one call: 64 MiB); liger-kernel
-#   (train.fused_loss, ~1 MB) always. The device machine runs
+#   (train.fused_loss, ~1 MB) and peft (train.lora) always. The device machine runs
 #   CPython 3.12 on x86_64 Linux: binary wheels are fetched for that, whatever this machine is.
 # On the device: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
@@ -12,7 +12,7 @@ PY="${PYTHON:-.venv/bin/python}"
 mkdir -p .whl
 plat=(--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64
       --platform manylinux_2_28_x86_64 --python-version 3.12 --implementation cp --only-binary=:all:)
-pkgs=(submitit hjson pydantic pydantic_core typing_inspection annotated_types liger-kernel)
+pkgs=(submitit hjson pydantic pydantic_core typing_inspection annotated_types liger-kernel peft)
 [ "${WITH_BNB:-0}" = 1 ] && pkgs+=(bitsandbytes)
 [ "${WITH_TB:-0}" = 1 ] && pkgs+=(tensorboard tensorboard-data-server grpcio absl-py markdown werkzeug protobuf)
 "$PY" -m pip download -q --no-deps "${plat[@]}" -d .whl "${pkgs[@]}"

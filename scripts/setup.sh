@@ -12,7 +12,7 @@ want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -c constraints.txt "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,deepspeed,tensorboard,wandb]"
+  "$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[dev,deepspeed,tensorboard,wandb,lora]"
   echo "$want" > "$stamp"
 fi
 "$VENV/bin/python" -c "import torch, transformers, submitit, pynvml, hpcgpu; print('hpcgpu', hpcgpu.__version__, '| torch', torch.__version__)"

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
@@ -123,7 +124,15 @@ class Engine:
         self.strategy = plan.training.strategy
         self.module, self.optimizer, self.scheduler, self.ds = module, optimizer, scheduler, ds
         self.grad_clip = spec.train.grad_clip if spec is not None else 0.0
-        self.params = list(module.parameters())  # once: parameters() walks every module
+        self.params = [p for p in module.parameters() if p.requires_grad]  # once: parameters() walks every module
+        # LoRA: checkpoints hold what changes (the adapters, their optimizer state), not the frozen base,
+        # which the run builds or loads again as it started (its identity is in the plan)
+        frozen = plan.training.adapter is not None
+        self.save_options = StateDictOptions(ignore_frozen_params=frozen)
+        self.load_options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+        # torch leaves a frozen weight in under its second name (a head tied to the embeddings): dropped too
+        self.frozen_names = {name for name, p in module.named_parameters(remove_duplicate=False)
+                             if not p.requires_grad} if frozen else set()
         self.precision = Precision.of(plan, device)
         self.amp = self.precision if ds is None or not own_loop else Precision(None, device.type)
         self.scaler = self.precision.scaler(enabled=ds is None)
@@ -191,7 +200,9 @@ class Engine:
         if self.ds is not None:
             return DeepSpeedPayload(self.model)
         self.sync_buffers()
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self.save_options)
+        if self.save_options.ignore_frozen_params:
+            model_sd = {k: v for k, v in model_sd.items() if k not in self.frozen_names}
         return {"model": model_sd, "optim": optim_sd}
 
     def sync_buffers(self) -> None:
@@ -206,12 +217,12 @@ class Engine:
     def load_payload(self, payload: Payload | dict[str, Any]) -> None:
         if self.ds is None:  # DeepSpeed's engine loaded itself in the read
             set_state_dict(self.module, self.optimizer, model_state_dict=payload["model"],
-                           optim_state_dict=payload["optim"])
+                           optim_state_dict=payload["optim"], options=self.load_options)
 
     def load_model(self, payload: Payload | dict[str, Any]) -> None:
         """Only the weights of a loaded payload (the best model at the end of a run)."""
         if self.ds is None:
-            set_model_state_dict(self.module, payload["model"])
+            set_model_state_dict(self.module, payload["model"], options=self.load_options)
 
     def rank_state(self) -> dict[str, Any]:
         """The scheduler and scaler, for the caller's rank state (keys as checkpoints always held)."""

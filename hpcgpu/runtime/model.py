@@ -153,6 +153,26 @@ def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap
         raise cannot_load(spec, exc) from None
 
 
+def load_quantized(spec: Spec, device: torch.device, precision: str) -> torch.nn.Module:
+    """QLoRA's frozen base: model.name_or_path in 4 (NF4) or 8 bits on this rank's GPU, computing in the
+    training precision (bf16 unless the plan says otherwise)."""
+    if device.type != "cuda":
+        raise HpcgpuError(f"model.quantization: {spec.model.quantization} (QLoRA) runs on a GPU only "
+                          "(bitsandbytes), and this rank has none; use quantization: none")
+    compute = {"fp16": torch.float16, "fp32": torch.float32}.get(precision, torch.bfloat16)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.model.name_or_path, dtype=compute, device_map={"": str(device)},
+            quantization_config=bnb_config(spec.model.quantization, compute))
+    except torch.OutOfMemoryError:
+        raise
+    except load_errors() as exc:
+        raise cannot_load(spec, exc) from None
+    return name_its_loss(model)
+
+
 def replica_max_memory(gpu_cap: int | None, cpu_bytes: int) -> dict[Any, int]:
     """accelerate's max_memory for this replica's GPUs: the cap, else WEIGHTS_SHARE of each GPU's free
     memory (the memory model's split rule: the rest holds a batch's KV cache and activations)."""

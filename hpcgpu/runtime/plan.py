@@ -75,6 +75,9 @@ class TrainPlan:
     gradient_checkpointing: bool = False
     fused_loss: bool = False  # train.fused_loss: the loss without logits (runtime/fused_loss.py)
     oom_halvings: int = 0  # times an out-of-memory error in the first step halved the micro batch
+    # train.lora: the adapters' settings and the base's identity (runtime/lora.py adapter_settings); None:
+    # every weight trains
+    adapter: dict[str, Any] | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -90,6 +93,15 @@ class TrainPlan:
             if offload:
                 text += f" offload {'+'.join(offload)}"
         return text
+
+
+def lora_text(adapter: Mapping[str, Any]) -> str:
+    """'LoRA r=16 alpha=32 on all-linear' or 'QLoRA (int4 base) r=16 ...'."""
+    q = adapter.get("quantization", "none")
+    name = "LoRA" if q == "none" else f"QLoRA ({q} base)"
+    targets = adapter["target_modules"]
+    return (f"{name} r={adapter['r']} alpha={adapter['alpha']:g} on "
+            f"{'every linear layer' if targets == 'auto' else ', '.join(targets)}")
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,7 @@ class RunPlan:
                      f"global batch {t.global_batch} = micro {t.micro_batch} x accum {t.accum} x "
                      f"{self.world_size} rank(s)", steps, self.precision,
                      "compiled" if t.compile else "not compiled", f"{t.loader_workers} loader workers"] \
-                + (["fused loss"] if t.fused_loss else [])
+                + (["fused loss"] if t.fused_loss else []) + ([lora_text(t.adapter)] if t.adapter else [])
         if self.infer is not None:
             parts = [self.infer.how(), self.precision]
         return ", ".join(parts)
@@ -240,7 +252,7 @@ def train_steps(spec: Spec, num_sequences: int | None) -> tuple[int, int | None]
 
 def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | None, bf16_supported: bool,
                count_model: Callable[[], tuple[int | None, Any]] | None = None,
-               num_sequences: int | None = None) -> RunPlan:
+               num_sequences: int | None = None, adapter: dict[str, Any] | None = None) -> RunPlan:
     """The plan of a fresh `task: train` job. gpu_memory: the smallest GPU's total bytes over the ranks
     (None on CPU); with it, an `auto` micro batch, strategy or gradient checkpointing comes from the
     memory estimate, for which count_model() gives (parameter count, model config). Without it: the
@@ -263,6 +275,12 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
                           f"(this run accumulates {accum} micro batches); set it to false or give "
                           "train.micro_batch_size = global batch / GPUs")
     stage, off_opt, off_params = zero_settings(spec, strategy, fixed is not None, rec)
+    if t.lora is not None and stage == 3:
+        raise HpcgpuError("train.lora trains under DDP or DeepSpeed ZeRO-1/2, not ZeRO-3 (the frozen base would be "
+                          "partitioned too); set distributed.deepspeed.zero_stage: 2 or distributed.strategy: ddp")
+    # QLoRA: a base too big to train in full; its activations are the memory left to save
+    qlora_checkpointing = t.lora is not None and spec.model.quantization != "none" \
+        and t.gradient_checkpointing == "auto"
     estimated = auto and gpu_memory is not None
     train = TrainPlan(
         global_batch=t.global_batch_size, seq_len=spec.data.seq_len, batch_per_rank=per_rank,
@@ -270,7 +288,7 @@ def plan_train(spec: Spec, world: int, *, device_type: str, gpu_memory: int | No
         offload_optimizer=off_opt, offload_params=off_params, compile=compiled and strategy != "deepspeed",
         loader_workers=rec.workers, bytes_per_gpu=rec.bytes_per_gpu if estimated else None,
         fits=rec.fits if estimated else None, max_steps=max_steps, epochs=t.epochs, steps_per_epoch=per_epoch,
-        gradient_checkpointing=rec.checkpointing, fused_loss=fused)
+        gradient_checkpointing=rec.checkpointing or qlora_checkpointing, fused_loss=fused, adapter=adapter)
     return RunPlan(task="train", world_size=world, precision=resolve_precision(t.precision, device_type, bf16_supported),
                    reason=reason, gpu_memory=gpu_memory, train=train)
 
@@ -611,6 +629,21 @@ def gpu_memory_reading(device: Any, environ: Mapping[str, str] | None = None) ->
     return None
 
 
+def check_same_base(plan: RunPlan, source: Path, spec: Spec) -> None:
+    """Adapters resume only on the base they were trained on: the recorded identity of the base (a
+    folder's config and weight files, or model.config and its seed) must be the base's now."""
+    adapter = plan.train.adapter if plan.train is not None else None
+    if adapter is None:
+        return
+    from hpcgpu.runtime.lora import base_identity  # reads the model folder: in the job only
+
+    now = base_identity(spec)
+    if now != adapter["base"]:
+        raise HpcgpuError(f"the recorded plan ({source}) trained LoRA adapters on a base model {adapter['base']}, but "
+                          f"the base is now {now}: its files changed since the run started; adapters resume only on "
+                          "their own base: restore it, or start a fresh run (submit --new)")
+
+
 def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequences: int | None = None) -> RunPlan:
     """The plan of this job, decided once: the recorded one on a resume (checked against this job),
     else a fresh one. Every rank reads the same files and the agreed (smallest) GPU memory, so every
@@ -620,6 +653,7 @@ def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequen
     if recorded is not None:
         plan, source = recorded
         check_recorded(plan, source, spec, world)
+        check_same_base(plan, source, spec)
         if plan.train is not None and not plan.train.max_steps:  # recorded by an older hpcgpu
             steps, per_epoch = train_steps(spec, num_sequences)
             plan = dataclasses.replace(plan, train=dataclasses.replace(
@@ -642,7 +676,9 @@ def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequen
     def count_model() -> tuple[int | None, Any]:
         return count_params(spec)  # meta device: no weights
 
+    from hpcgpu.runtime.lora import adapter_settings
+
     plan = plan_train(spec, world, device_type=device.type, gpu_memory=agreed, bf16_supported=bf16,
-                      count_model=count_model, num_sequences=num_sequences)
+                      count_model=count_model, num_sequences=num_sequences, adapter=adapter_settings(spec))
     (log.warning if plan.training.fits is False else log.info)(f"run plan: {plan.summary()}; {plan.reason}")
     return plan

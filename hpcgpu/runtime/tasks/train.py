@@ -51,8 +51,9 @@ from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_grou
 from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu
 from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
-from hpcgpu.runtime.model import build_model
-from hpcgpu.runtime.plan import RunPlan, halved_micro, settle_plan, write_plan
+from hpcgpu.runtime.lora import add_adapters, prepare_quantized, trainable_count, write_merged
+from hpcgpu.runtime.model import build_model, load_quantized
+from hpcgpu.runtime.plan import RunPlan, halved_micro, lora_text, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.requeue import mark_finished
 from hpcgpu.runtime.rng import rng_state, set_rng_state
@@ -252,7 +253,10 @@ class Trainer:
         self.raw_model: Any = self._build_model()
         self.train_blocks = place_tokens(self.train_blocks, self.device)
         self.n_params = count_params(self.raw_model)
+        self.n_trainable = trainable_count(self.raw_model)
         self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len, self.n_params)
+        if p.adapter:  # a frozen weight needs no weight gradient: 4N (forward, input gradients) + the adapters'
+            self.flops_per_token -= 2 * (self.n_params - self.n_trainable)
         self.engine = self._build_engine()
         self.optimizer, self.scheduler = self.engine.optimizer, self.engine.scheduler
         self.cuda_graphs = p.compile and spec.train.compile_mode in ("reduce-overhead", "max-autotune")
@@ -279,11 +283,17 @@ class Trainer:
         """The model on this rank's device (ZeRO-3 places it itself), checkpointed and drilled as asked."""
         zero3 = self.ds is not None and self.ds.zero3
         on_gpu = self.device if self.device.type == "cuda" and not zero3 else None
-        model = build_model(self.spec, self.spec.train.seed, on_gpu)
-        if self.ds is None:
+        quantized = self.spec.model.quantization != "none"
+        if quantized:  # QLoRA: the frozen base in 4/8 bits on this rank's GPU
+            model = prepare_quantized(load_quantized(self.spec, self.device, self.plan.precision))
+        else:
+            model = build_model(self.spec, self.spec.train.seed, on_gpu)
+        if self.ds is None and not quantized:
             model = model.to(self.device)
         if self.tp.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        if self.spec.train.lora is not None:
+            model = add_adapters(model, self.spec.train.lora)
         self._add_oom_drill(model)
         self._check_vocab(model)
         return model
@@ -601,7 +611,8 @@ def progress(total: int, initial: int, enabled: bool) -> Any:
 def describe(tr: Trainer) -> str:
     n, p = tr.n_params, tr.tp
     steps = f"{p.max_steps} steps" + (f" = {p.epochs} epochs x {p.steps_per_epoch}" if p.epochs else "")
-    return (f"model {n / 1e6:.2f}M params on {tr.device} x {tr.world} ({tr.strategy}); global batch "
+    trained = f" ({tr.n_trainable / 1e6:.3f}M trained: {lora_text(p.adapter)})" if p.adapter else ""
+    return (f"model {n / 1e6:.2f}M params{trained} on {tr.device} x {tr.world} ({tr.strategy}); global batch "
             f"{p.global_batch} = micro {p.micro_batch} x accum {p.accum} x {tr.world} ranks; "
             f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences; {steps}"
             + ("; gradient checkpointing" if p.gradient_checkpointing else "")
@@ -766,18 +777,24 @@ def restore_best(ctx: Context, tr: Trainer) -> None:
 def save_final_model(ctx: Context, tr: Trainer) -> Path:
     """A plain Hugging Face model (loads without DeepSpeed), written by rank 0, renamed when complete."""
     out = ctx.run_dir / "model"
-    state_dict = tr.ds.consolidated_state_dict() if tr.ds is not None else None  # collective
+    lora = tr.spec.train.lora is not None
+    # ZeRO-2 holds whole weights in every rank: only ZeRO-3 (never with LoRA) needs them gathered
+    state_dict = tr.ds.consolidated_state_dict() if tr.ds is not None and not lora else None  # collective
     if ctx.is_main:
         tmp = ctx.run_dir / "model.tmp"
         if tmp.exists():
             shutil.rmtree(tmp)
+        # with LoRA: the adapter folder (adapter_config.json, adapter_model.safetensors) peft loads on its base
         tr.raw_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if hasattr(tr.tokenizer, "save_pretrained"):
             tr.tokenizer.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-        log.info(f"saved the final model to {out}")
+        log.info(f"saved the final {'LoRA adapter' if lora else 'model'} to {out}")
+        if lora and tr.spec.train.merge:
+            write_merged(tr.spec, tr.raw_model, out, ctx.run_dir / "merged")
+            log.info(f"saved the base with the adapter merged in to {ctx.run_dir / 'merged'}")
     ctx.barrier()
     return out
 

@@ -1,0 +1,132 @@
+"""LoRA adapters through peft (train.lora): the one place a model gets them, loads them, merges them,
+and the base model's identity a run records and checks on resume."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.spec import Spec
+from hpcgpu.spec.schema import Lora
+
+AUTO_TARGETS = "all-linear"  # peft's: every linear layer of the blocks, not the output head
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+EDGE_BYTES = 1 << 20  # a weights file is known by its size and its first and last MiB, not read whole
+
+
+def add_adapters(model: Any, lora: Lora) -> Any:
+    """The model with LoRA adapters on lora.target_modules (peft's PeftModel); only they train."""
+    from peft import LoraConfig, get_peft_model
+
+    from transformers.pytorch_utils import Conv1D
+
+    targets: Any = AUTO_TARGETS if lora.target_modules == "auto" else list(lora.target_modules)
+    if targets != AUTO_TARGETS:
+        check_targets(model, targets)
+    # GPT-2's Conv1D stores its weight transposed: peft sets this itself for such layers, with a warning
+    transposed = any(isinstance(m, Conv1D) for m in model.modules())
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                        fan_in_fan_out=transposed, task_type="CAUSAL_LM")
+    with warnings.catch_warnings():  # peft asks transformers a deprecated name (is_gradient_checkpointing)
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*is_gradient_checkpointing.*")
+        return get_peft_model(model, config)
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The names (last part) of the layers LoRA can adapt: nn.Linear and GPT-2's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if name and isinstance(module, (torch.nn.Linear, Conv1D))})
+
+
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    names = linear_names(model)
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise HpcgpuError(f"train.lora.target_modules: {', '.join(unknown)} is not a linear layer of this {kind} "
+                          f"model; its linear layers: {', '.join(names) or 'none'}")
+
+
+def trainable_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def prepare_quantized(model: Any) -> Any:
+    """peft's preparation of a k-bit base for training (QLoRA): norms in fp32, the input embeddings'
+    output requiring grad. Gradient checkpointing is left to the plan (non-reentrant, as for every run)."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def base_identity(spec: Spec) -> dict[str, Any]:
+    """What the adapters were trained on: a model folder's path and a digest of its config and weight
+    files (names, sizes, first and last MiB), or model.config's digest and the seed of its weights."""
+    if not spec.model.name_or_path:
+        text = json.dumps(spec.model.config, sort_keys=True)
+        return {"config_sha256": hashlib.sha256(text.encode()).hexdigest()[:16], "seed": spec.train.seed}
+    folder = Path(spec.model.name_or_path)
+    if not folder.is_dir():  # a hub id: its cached snapshot is what from_pretrained reads
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(spec.model.name_or_path, local_files_only=True))
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.name == "config.json" or path.name.endswith(".index.json"):
+            digest.update(path.name.encode() + path.read_bytes())
+        elif path.suffix in WEIGHT_SUFFIXES:
+            digest.update(f"{path.name}:{path.stat().st_size}".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(EDGE_BYTES))
+                f.seek(max(0, path.stat().st_size - EDGE_BYTES))
+                digest.update(f.read(EDGE_BYTES))
+    return {"name_or_path": str(spec.model.name_or_path), "sha256": digest.hexdigest()[:16]}
+
+
+def adapter_settings(spec: Spec) -> dict[str, Any] | None:
+    """The plan's record of the adapters: their settings and the base's identity; None without lora."""
+    lora = spec.train.lora
+    if lora is None:
+        return None
+    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules,
+            "quantization": spec.model.quantization, "base": base_identity(spec)}
+
+
+def load_adapter(base: Any, adapter: str, merge: bool) -> Any:
+    """A trained adapter folder on its base (task: infer's model.adapter): merged into the weights where
+    `merge` (unquantized bases), else peft's model running the adapters beside the frozen base."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise HpcgpuError(f"model.adapter: {adapter} holds no adapter_config.json (a train run's model/ with "
+                          "train.lora writes one)")
+    model = PeftModel.from_pretrained(base, adapter)
+    return model.merge_and_unload() if merge else model
+
+
+def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path) -> None:
+    """merged/: the base with the adapters merged in, in the base's own dtype. A saved base is loaded
+    again from its folder (never merged from 4-bit weights); a model.config base is this run's, in memory."""
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if spec.model.name_or_path:
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, dtype="auto")
+        merged = load_adapter(base, str(adapter_dir), merge=True)
+    else:
+        merged = peft_model.merge_and_unload()
+    merged.save_pretrained(tmp, safe_serialization=True)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

@@ -1,0 +1,145 @@
+"""LoRA fine-tuning (train.lora, through peft) on CPU ranks: the loss falls, ranks do not change the
+curve, a preempted run resumes bitwise from checkpoints that hold only what changes, model/ is the
+adapter peft loads on its base and merged/ the full model; bad input is one line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import TINY_GPT2, job_env, merge, submit, submit_all, train_spec, write_spec_file
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
+              "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+WIDER_GPT2 = {**TINY_GPT2, "n_layer": 2, "n_embd": 64}  # big enough for the checkpoint's ratio to mean something
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
+
+
+def lora_spec(name: str, **extra: Any) -> dict:
+    return train_spec(name, model={"config": dict(WIDER_GPT2)},
+                      train=merge({"lora": dict(LORA), "max_steps": 6, "lr": 1e-2, "warmup_steps": 1}, extra))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+
+def run_dir_of(folder: Path) -> Path:
+    (run_dir,) = (folder / "runs").glob("*/*")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    specs = {
+        "lora2": lora_spec("lora2", merge=True),
+        "lora1": merge(lora_spec("lora1"), {"resources": {"gpus": 1}}),
+        "full": train_spec("full", model={"config": dict(WIDER_GPT2)}, checkpoint={"every_steps": 2},
+                           train={"max_steps": 4}),
+        "llama": merge(lora_spec("llama", merge=True), {"model": {"config": dict(TINY_LLAMA)},
+                                                       "resources": {"gpus": 1}}),
+    }
+    folders = {key: tmp_path_factory.mktemp(key) for key in specs}
+    paths = {key: (write_spec_file(folders[key], spec), ()) for key, spec in specs.items()}
+    results = submit_all(paths, timeout=240)
+    for key, proc in results.items():
+        assert proc.returncode == 0, (key, proc.stderr[-3000:])
+    out = {key: run_dir_of(folders[key]) for key in specs}
+    # the same run as lora2, stopped by its preemption signal after step 4, then resumed
+    folder = tmp_path_factory.mktemp("resumed")
+    path = write_spec_file(folder, lora_spec("lora2", merge=True))
+    first = submit(path, env=job_env(HPCGPU_SIGNAL_AT="3"), timeout=120)
+    assert first.returncode == 75, first.stderr[-3000:]
+    out["stopped_checkpoint"] = max((run_dir_of(folder) / "checkpoints").glob("step-*"))
+    out["stopped_checkpoint_bytes"] = folder_bytes(out["stopped_checkpoint"])  # type: ignore[assignment]
+    second = submit(path, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    out["resumed"] = run_dir_of(folder)
+    return out
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def adapter(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "model" / "adapter_model.safetensors"))
+
+
+def test_lora_learns_and_ranks_do_not_change_the_curve(runs: dict) -> None:
+    two, one = losses(runs["lora2"]), losses(runs["lora1"])
+    assert two[6] < two[1] - 0.05, two
+    assert two.keys() == one.keys() and all(one[s] == pytest.approx(two[s], rel=1e-5) for s in two), (one, two)
+    llama = losses(runs["llama"])
+    assert llama[6] < llama[1], llama
+    plan = json.loads((runs["lora2"] / "plan.json").read_text())
+    assert plan["train"]["adapter"]["r"] == 4 and plan["train"]["adapter"]["base"]["seed"] == 1
+
+
+def test_a_preempted_lora_run_resumes_bitwise_from_a_small_checkpoint(runs: dict) -> None:
+    assert losses(runs["resumed"]) == losses(runs["lora2"])
+    a, b = adapter(runs["resumed"]), adapter(runs["lora2"])
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    # the checkpoint holds the adapters and their optimizer state, not the frozen base
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(runs["stopped_checkpoint"])).read_metadata().state_dict_metadata.keys()
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys), model_keys
+    full = folder_bytes(max((runs["full"] / "checkpoints").glob("step-*")))
+    assert runs["stopped_checkpoint_bytes"] < 0.2 * full, (runs["stopped_checkpoint_bytes"], full)
+
+
+@pytest.mark.parametrize("which", ["lora2", "llama"])
+def test_the_adapter_loads_on_its_base_and_merged_gives_the_same_logits(runs: dict, which: str) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hpcgpu.runtime.model import build_model
+    from hpcgpu.spec import spec_from_raw
+
+    run_dir = runs[which]
+    spec = spec_from_raw(yaml.safe_load((run_dir / "spec.yaml").read_text()), need_data=False)
+    base = build_model(spec, spec.train.seed).eval()  # the run's base: model.config, seeded (CPU, as trained)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(ids).logits
+        tuned = PeftModel.from_pretrained(base, str(run_dir / "model")).eval()
+        tuned_logits = tuned(ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(run_dir / "merged").eval()(ids).logits
+    assert not torch.allclose(tuned_logits, base_logits, atol=1e-4)  # the adapters learned something
+    torch.testing.assert_close(merged_logits, tuned_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"lora": {"target_modules": ["q_proj"]}}},
+     "train.lora.target_modules: q_proj is not a linear layer of this gpt2 model; its linear layers: c_attn, c_fc, c_proj"),
+    ({"model": {"quantization": "int4"}, "train": {"lora": None}}, "add train.lora (QLoRA"),
+    ({"train": {"lora": None, "merge": True}}, "train.merge: merges LoRA adapters into the base: it needs train.lora"),
+])
+def test_bad_lora_input_is_one_line_and_exit_2(tmp_path: Path, change: dict, message: str) -> None:
+    spec = merge(lora_spec("bad"), change)
+    if spec["train"].get("lora", "x") is None:
+        del spec["train"]["lora"]
+    proc = submit(write_spec_file(tmp_path, spec), timeout=120)
+    text = proc.stdout + proc.stderr  # rank 0's output is the console's stdout
+    assert proc.returncode == 2, text[-2000:]
+    errors = [line for line in text.splitlines() if message in line]
+    assert len(errors) == 1 and "Traceback" not in text, text[-2000:]
+
+
+def test_validate_refuses_quantization_without_a_gpu_before_any_job(tmp_path: Path) -> None:
+    """QLoRA on a machine where bitsandbytes cannot run: one line, before the queue wait."""
+    spec = merge(lora_spec("q"), {"model": {"quantization": "int4", "name_or_path": str(tmp_path)}})
+    del spec["model"]["config"]
+    proc = submit(write_spec_file(tmp_path, spec), timeout=60)
+    assert proc.returncode == 2 and "model.quantization: int4" in proc.stderr, proc.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("logs"))
