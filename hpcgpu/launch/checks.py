@@ -607,6 +607,17 @@ def _config_attention(spec: Spec, _: Here) -> str | None:
     return None if spec.model.name_or_path else attention_problem(spec)
 
 
+def adapter_problem(spec: Spec) -> str | None:
+    """model.adapter: a folder peft wrote (a train run's model/ with train.lora)."""
+    if not spec.model.adapter:
+        return None
+    folder = Path(spec.model.adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        return (f"model.adapter: {spec.model.adapter} holds no adapter_config.json (not an adapter folder: a train "
+                "run's model/ with train.lora is one)")
+    return None
+
+
 def _infer(check: Callable[[Spec], str | None]) -> Problem:
     return lambda spec, _: check(spec) if spec.task == "infer" else None
 
@@ -626,6 +637,7 @@ SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("data.eval", lambda spec, _: data_rows_problem(spec, "data.eval"), _data),
     HostCheck("data.format", lambda spec, _: chat_data_problem(spec), _data),
     HostCheck("model.name_or_path", _infer(infer_model_problem), lambda spec: (spec.task, spec.model.name_or_path)),
+    HostCheck("model.adapter", lambda spec, _: adapter_problem(spec)),
     HostCheck("infer.max_memory", _infer(max_memory_problem), lambda spec: (spec.task, spec.infer.max_memory)),
     HostCheck("infer.input", _infer(infer_input_problem), lambda spec: (spec.task, spec.infer.mode, spec.infer.input)),
     HostCheck("infer.max_new_tokens", lambda spec, _: positions_problem(spec)),

@@ -158,12 +158,14 @@ class DeepSpeedPayload(Payload):
 
     def __init__(self, engine: Any):
         self.engine = engine
+        self.frozen = any(not p.requires_grad for p in engine.module.parameters())
 
     def write(self, path: Path) -> None:
-        self.engine.save_checkpoint(str(path), tag=DS_TAG, save_latest=False)
+        # LoRA: the frozen base is not checkpointed (the run loads or builds it again as it started)
+        self.engine.save_checkpoint(str(path), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.frozen)
 
     def read(self, path: Path) -> None:
         load_path, _ = self.engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True, load_module_strict=not self.frozen)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / DS_TAG}")

@@ -119,7 +119,17 @@ def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap
     """The inference model in eval mode: on `device` whole (one GPU, a CPU rank), or placed by
     accelerate's planner over the replica's GPUs (gpus_per_replica > 1, a max_memory cap, CPU
     offload) with int8/int4 weights where model.quantization says so. The replica's GPUs are all
-    this process sees (runtime/env.py bind_gpu_group). cap: infer.max_memory, read."""
+    this process sees (runtime/env.py bind_gpu_group). cap: infer.max_memory, read. With
+    model.adapter: the trained LoRA adapter on that base, merged into unquantized weights."""
+    model = load_base_for_inference(spec, device, dtype, cap)
+    if not spec.model.adapter:
+        return model
+    from hpcgpu.runtime.lora import load_adapter
+
+    return load_adapter(model, spec.model.adapter, merge=spec.model.quantization == "none").eval()
+
+
+def load_base_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap: MaxMemory) -> torch.nn.Module:
     q = spec.model.quantization
     if device.type != "cuda":
         if q != "none":

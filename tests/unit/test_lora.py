@@ -143,3 +143,35 @@ def test_validate_refuses_quantization_without_a_gpu_before_any_job(tmp_path: Pa
     proc = submit(write_spec_file(tmp_path, spec), timeout=60)
     assert proc.returncode == 2 and "model.quantization: int4" in proc.stderr, proc.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("logs"))
+
+
+def test_infer_with_the_adapter_on_its_base_gives_the_merged_model_s_outputs(runs: dict, tmp_path: Path) -> None:
+    """task: infer's model.adapter: the base folder plus the trained adapter (merged at load) generates
+    what merged/ generates, greedy, row for row."""
+    import shutil
+
+    from hpcgpu.runtime.model import build_model
+    from hpcgpu.spec import spec_from_raw
+
+    run_dir = runs["lora2"]
+    spec = spec_from_raw(yaml.safe_load((run_dir / "spec.yaml").read_text()), need_data=False)
+    base_dir, merged_dir = tmp_path / "base", tmp_path / "merged"
+    build_model(spec, spec.train.seed).save_pretrained(base_dir)  # the run's base, as trained (CPU, seeded)
+    shutil.copytree(run_dir / "merged", merged_dir)
+    for folder in (base_dir, merged_dir):  # the run's byte tokenizer, beside each model
+        shutil.copy(run_dir / "model" / "hpcgpu_tokenizer.json", folder)
+    rows = tmp_path / "prompts.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))
+
+    def infer(name: str, **model: str) -> tuple[Path, tuple[str, ...]]:
+        doc = {"name": name, "task": "infer", "resources": {"gpus": 1, "cpus_per_gpu": 1}, "model": model,
+               "infer": {"input": str(rows), "max_new_tokens": 8, "temperature": 0.0}}
+        return write_spec_file(tmp_path / name, doc), ()
+
+    results = submit_all({"adapter": infer("adapter", name_or_path=str(base_dir), adapter=str(run_dir / "model")),
+                          "merged": infer("merged", name_or_path=str(merged_dir))}, timeout=180)
+    for key, proc in results.items():
+        assert proc.returncode == 0, (key, proc.stderr[-3000:])
+    texts = {key: [json.loads(line)["text"] for line in (run_dir_of(tmp_path / key) / "outputs.jsonl")
+                   .read_text().splitlines()] for key in results}
+    assert texts["adapter"] == texts["merged"] and len(texts["adapter"]) == 6, texts

@@ -197,8 +197,10 @@ def build_optimizer(model: torch.nn.Module, spec: Spec, device: torch.device,
 
     decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
-    groups = [{"params": decay, "weight_decay": spec.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # an empty group (LoRA's adapters are all matrices) is left out: DeepSpeed drops it, and the
+    # scheduler made over both groups would then step one group too many
+    groups = [g for g in ({"params": decay, "weight_decay": spec.train.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     fused = device.type == "cuda" and not offload  # offloaded optimizer states live on the CPU
     return torch.optim.AdamW(groups, lr=spec.train.lr, betas=(0.9, 0.95), fused=fused)
 
