@@ -639,9 +639,12 @@ def check_same_base(plan: RunPlan, source: Path, spec: Spec) -> None:
 
     now = base_identity(spec)
     if now != adapter["base"]:
-        raise HpcgpuError(f"the recorded plan ({source}) trained LoRA adapters on a base model {adapter['base']}, but "
-                          f"the base is now {now}: its files changed since the run started; adapters resume only on "
-                          "their own base: restore it, or start a fresh run (submit --new)")
+        was = adapter["base"]
+        what = was.get("name_or_path") or "model.config"
+        raise HpcgpuError(f"model.name_or_path: the LoRA base {what}: its files changed since the run started "
+                          f"(digest {was.get('sha256') or was.get('config_sha256')}, now "
+                          f"{now.get('sha256') or now.get('config_sha256')}); adapters resume only on their own "
+                          f"base: restore it, or start a fresh run (submit --new); plan {source}")
 
 
 def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequences: int | None = None) -> RunPlan:

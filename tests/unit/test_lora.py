@@ -175,3 +175,53 @@ def test_infer_with_the_adapter_on_its_base_gives_the_merged_model_s_outputs(run
     texts = {key: [json.loads(line)["text"] for line in (run_dir_of(tmp_path / key) / "outputs.jsonl")
                    .read_text().splitlines()] for key in results}
     assert texts["adapter"] == texts["merged"] and len(texts["adapter"]) == 6, texts
+
+
+# ---------------------------------------------------------------- configs/tiny-lora-chat.yaml, as shipped
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_lora_chat_config_fine_tunes_a_saved_base(tmp_path: Path) -> None:
+    """configs/tiny-lora-chat.yaml on the model scripts/make_tiny_model.py makes (only paths made absolute
+    and fewer steps): the loss falls, the plan records the base folder's digest, and merged/ (merged from
+    the base loaded again from its folder) gives what peft gives with model/ on that base."""
+    import importlib.util
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    maker = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    assert maker and maker.loader
+    module = importlib.util.module_from_spec(maker)
+    maker.loader.exec_module(module)
+    base_dir = tmp_path / "tiny-gpt2"
+    module.make(base_dir)
+    doc = yaml.safe_load((REPO / "configs" / "tiny-lora-chat.yaml").read_text())
+    doc["model"]["name_or_path"] = str(base_dir)
+    doc["data"]["train"] = str(REPO / "configs" / "data" / "chat.jsonl")
+    doc["train"].update({"max_steps": 8, "log_every": 1})
+    path = write_spec_file(tmp_path, doc)
+    stopped = submit(path, env=job_env(HPCGPU_SIGNAL_AT="2"), timeout=240)  # stops after step 3
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    # adapters resume only on their own base: a base whose files changed is refused, in one line
+    config = base_dir / "config.json"
+    original = config.read_text()
+    config.write_text(json.dumps({**json.loads(original), "initializer_range": 0.5}))
+    refused = submit(path, timeout=240)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "its files changed since the run started" in text, text[-3000:]
+    config.write_text(original)
+    proc = submit(path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = run_dir_of(tmp_path)
+    curve = losses(run_dir)
+    assert curve[8] < curve[1], curve
+    base = json.loads((run_dir / "plan.json").read_text())["train"]["adapter"]["base"]
+    assert base["name_or_path"] == str(base_dir) and len(base["sha256"]) == 16
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(run_dir / "model"))
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")
+        torch.testing.assert_close(merged.eval()(ids).logits, tuned.eval()(ids).logits, rtol=1e-4, atol=1e-4)
