@@ -5,6 +5,10 @@ per GPU of a model copy by weight format (float32, bfloat16, int8, int4) and gpu
 For task: train the rows follow train.gradient_checkpointing: without it (false), with it (true, rows
 named `+ckpt`: each layer's input kept, one layer's activations recomputed; see gpu/estimate.py), or
 without it plus `ckpt` columns with it (auto: the run plan tries each strategy without, then with it).
+A second table sets full fine-tuning beside LoRA and QLoRA (train.lora: the frozen base in its dtype
+or 4/8 bits, the adapters and their states), each without and with gradient checkpointing; where the
+spec's own way does not fit and a lighter one does, one line names the spec keys that choose it. A
+train.lora spec shows that table alone (its strategy is DDP) and its recommendation is the LoRA one.
 
 Parameters are counted on the meta device (torch + transformers, imported here only: no weights are
 loaded, no GPU is needed). The memory model is in hpcgpu/gpu/estimate.py.
@@ -22,12 +26,13 @@ from hpcgpu.cli.options import spec_options
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import smallest_gpu
 from hpcgpu.gpu.estimate import (INFER_BATCH_CAP, INFER_FORMATS, REPLICA_WIDTHS, STRATEGIES, WEIGHT_BYTES,
-                                 WEIGHTS_SHARE, GiB, InferDims, MaxMemory, ModelDims, Strategy, auto_infer_batch,
-                                 count_params, dims_from_config, estimate, fewest_gpus_per_replica, fits, fmt_bytes,
-                                 infer_dims, infer_split_estimate, infer_split_max_batch, max_micro_batch,
-                                 offloaded_bytes, parse_max_memory, parse_size, replica_fits, spec_weights_format,
-                                 usable_bytes, weight_bytes, with_checkpointing)
-from hpcgpu.gpu.recommend import Checkpointing, compiled_step, recommend_for_job
+                                 WEIGHTS_SHARE, GiB, InferDims, LoraDims, MaxMemory, ModelDims, Strategy,
+                                 auto_infer_batch, count_params, dims_from_config, estimate, fewest_gpus_per_replica,
+                                 fits, fmt_bytes, infer_dims, infer_split_estimate, infer_split_max_batch,
+                                 max_micro_batch, offloaded_bytes, parse_max_memory, parse_size, plan_strategy,
+                                 replica_fits, spec_weights_format, usable_bytes, weight_bytes, with_checkpointing)
+from hpcgpu.gpu.recommend import (Checkpointing, Method, Recommendation, compiled_step, fine_tuning_methods,
+                                  lighter_method, method_recommendation, recommend_for_job)
 from hpcgpu.infer_rows import read_rows
 from hpcgpu.spec import Spec, load_spec
 
@@ -46,23 +51,47 @@ def rows(d: ModelDims, micro: int, world: int, gpu_total: int | None,
     return out
 
 
-def strategy_row(d: ModelDims, st: Strategy, micro: int, world: int, gpu_total: int | None) -> dict[str, Any]:
-    e = estimate(d, st, micro, world)
+def strategy_row(d: ModelDims, st: Strategy, micro: int, world: int, gpu_total: int | None,
+                 lora: LoraDims | None = None) -> dict[str, Any]:
+    e = estimate(d, st, micro, world, lora)
     return {"strategy": st.name, "zero_stage": st.zero_stage, "offload": st.offload,
             "gradient_checkpointing": st.checkpointing,
             "weights": e.weights, "grads": e.grads, "optimizer": e.optimizer, "buffers": e.buffers,
             "activations": e.activations, "total": e.total, "host": e.host,
             "fits": fits(e, gpu_total) if gpu_total else None,
-            "max_micro_batch": max_micro_batch(d, st, world, gpu_total) if gpu_total else None}
+            "max_micro_batch": max_micro_batch(d, st, world, gpu_total, lora) if gpu_total else None}
 
 
-def print_table(table: list[dict[str, Any]]) -> None:
+def method_rows(d: ModelDims, methods: list[Method], recs: list[Recommendation], micro: int, world: int,
+                gpu_total: int | None) -> list[dict[str, Any]]:
+    """One row per way to fine-tune (full, LoRA, QLoRA) at the micro batch, under the strategy its
+    recommendation takes (LoRA: DDP), without gradient checkpointing and (`checkpointed`) with it; and
+    what its recommendation chose."""
+    out = []
+    for m, rec in zip(methods, recs):
+        st = plan_strategy(rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer")
+        row = strategy_row(d, st, micro, world, gpu_total, m.lora)
+        ck = strategy_row(d, with_checkpointing(st), micro, world, gpu_total, m.lora)
+        row["checkpointed"] = {k: ck[k] for k in ("activations", "total", "fits", "max_micro_batch")}
+        out.append({"method": m.name, "name": f"{m.name} {st.name}" + (" (spec)" if m.own else ""), "spec": m.own,
+                    "keys": m.keys, "base": None if m.lora is None else m.lora.base,
+                    "adapter_params": 0 if m.lora is None else m.lora.adapter_params, **row,
+                    "recommended": {"micro_batch": rec.micro_batch, "checkpointing": rec.checkpointing,
+                                    "bytes_per_gpu": rec.bytes_per_gpu, "fits": rec.fits if gpu_total else None}})
+    return out
+
+
+def print_table(table: list[dict[str, Any]], label: str = "strategy", indent: str = "  ") -> None:
+    """The rows as columns; the method table (label 'method') is set flush left, apart from the
+    strategy table, whose rows are the indented ones."""
     cols = ("weights", "grads", "optimizer", "buffers", "activations", "total", "host")
     ckpt = any("checkpointed" in r for r in table)
-    click.echo(f"  {'strategy':<24}" + "".join(f"{c:>12}" for c in cols) + f"{'fits':>6}{'max micro':>11}"
+    key = "strategy" if label == "strategy" else "name"
+    width = max([24] + [len(r[key]) + 2 for r in table])
+    click.echo(f"{indent}{label:<{width}}" + "".join(f"{c:>12}" for c in cols) + f"{'fits':>6}{'max micro':>11}"
                + (f"{'ckpt act':>12}{'ckpt total':>12}{'ckpt max':>10}" if ckpt else ""))
     for r in table:
-        line = f"  {r['strategy']:<24}" + "".join(f"{fmt_bytes(r[c]):>12}" for c in cols) + \
+        line = f"{indent}{r[key]:<{width}}" + "".join(f"{fmt_bytes(r[c]):>12}" for c in cols) + \
             f"{fit_text(r['fits']):>6}{max_text(r['max_micro_batch']):>11}"
         if "checkpointed" in r:
             c = r["checkpointed"]
@@ -92,8 +121,9 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
                  gpu_memory: str | None, micro_batch: int | None, prompt_tokens: int | None, as_json: bool) -> None:
     """Memory per GPU for SPEC under DDP and ZeRO-1/2/3 (with and without offload): weights, grads,
     optimizer states, buffers and activations; what fits, and the largest micro batch that does.
-    For task: infer, per GPU of a model copy by weight format and gpus_per_replica: weights, KV cache,
-    activations; what fits, and the fewest GPUs a copy needs (gpus_per_replica: auto)."""
+    Beside them full fine-tuning, LoRA and QLoRA (train.lora), and which lighter one fits where the
+    spec's does not. For task: infer, per GPU of a model copy by weight format and gpus_per_replica:
+    weights, KV cache, activations; what fits, and the fewest GPUs a copy needs (gpus_per_replica: auto)."""
     # memory needs the model, the batch and data.seq_len, not the training text: no data.train required
     spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False)
     if spec.task not in ("train", "infer"):
@@ -109,17 +139,23 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
 
 def estimate_train(spec: Spec, gpu_total: int | None, gpu_what: str, micro_batch: int | None,
                    as_json: bool) -> None:
-    """task: train: the strategies' rows at the micro batch, and the recommendation the job's plan takes."""
+    """task: train: the strategies' rows at the micro batch (full fine-tuning), full fine-tuning beside
+    LoRA and QLoRA, and the recommendation the job's plan takes."""
     n_params, cfg = count_params(spec)
     d = dims_from_config(cfg, spec.data.seq_len, n_params, compiled_step(spec), spec.train.fused_loss is True)
     world = spec.world_size
     rec = recommend_for_job(spec, n_params, cfg, gpu_total, world)
     micro = micro_batch or rec.micro_batch
     table = rows(d, micro, world, gpu_total, spec.train.gradient_checkpointing)
+    methods = fine_tuning_methods(spec, cfg)
+    recs = [rec if m.own else method_recommendation(spec, m, n_params, cfg, gpu_total, world) for m in methods]
+    mtable = method_rows(d, methods, recs, micro, world, gpu_total)
+    advice = lighter_method(methods, recs) if gpu_total else None
     if as_json:
         click.echo(json.dumps({"params": n_params, "dims": d.__dict__, "world": world, "micro_batch": micro,
                                "gpu_memory": gpu_total, "usable": usable_bytes(gpu_total) if gpu_total else None,
-                               "strategies": table, "recommendation": rec.__dict__}, indent=2))
+                               "strategies": table, "methods": mtable, "recommendation": rec.__dict__,
+                               "advice": advice}, indent=2))
         return
     model = spec.model.name_or_path or (spec.model.config or {}).get("model_type")
     click.echo(f"{spec.name}: {n_params / 1e6:,.2f}M parameters ({model}: {d.n_layers} layers, hidden {d.hidden}, "
@@ -129,17 +165,35 @@ def estimate_train(spec: Spec, gpu_total: int | None, gpu_what: str, micro_batch
         click.echo(f"GPU: {fmt_bytes(gpu_total)} ({gpu_what}), {fmt_bytes(usable_bytes(gpu_total))} usable "
                    "after the CUDA context and allocator slack")
     step = "compiled (train.compile)" if d.compiled else "eager (train.compile: false)"
-    ckpt = {True: "every row with gradient checkpointing (+ckpt)", False: "no gradient checkpointing",
-            "auto": "ckpt: the same with gradient checkpointing (auto tries it before the next strategy)"}[
-        spec.train.gradient_checkpointing]
-    click.echo(f"memory per GPU; activations of a {step} DDP step, DeepSpeed rows eager; {ckpt}; host: RAM "
-               "per rank for offloaded states:")
-    print_table(table)
+    if spec.train.lora is None:
+        ckpt = {True: "every row with gradient checkpointing (+ckpt)", False: "no gradient checkpointing",
+                "auto": "ckpt: the same with gradient checkpointing (auto tries it before the next strategy)"}[
+            spec.train.gradient_checkpointing]
+        click.echo(f"full fine-tuning, memory per GPU; activations of a {step} DDP step, DeepSpeed rows eager; "
+                   f"{ckpt}; host: RAM per rank for offloaded states:")
+        print_table(table)
+    print_methods(spec, methods, mtable, step)
     if gpu_total:
         click.echo(f"recommended: {rec.summary()}" + ("" if rec.fits else " (DOES NOT FIT)"))
         click.echo(f"  why: {rec.reason}")
+        if advice:
+            click.echo(advice)
     else:
         click.echo(f"{gpu_what}: give --gpu-memory (e.g. 80G) to check fit")
+
+
+def print_methods(spec: Spec, methods: list[Method], mtable: list[dict[str, Any]], step: str) -> None:
+    """The full / LoRA / QLoRA table, with what the adapters are."""
+    lora = next(m.lora for m in methods if m.lora is not None)
+    targets = spec.train.lora.target_modules if spec.train.lora is not None else "auto"
+    on = "every linear layer of attention and MLP" if targets == "auto" else ", ".join(targets)
+    settings = "train.lora" if spec.train.lora is not None else "train.lora's defaults"
+    click.echo(f"full fine-tuning, LoRA and QLoRA ({settings}: r {lora.r} on {on}, "
+               f"{lora.adapter_params / 1e6:,.2f}M adapter parameters"
+               + ("" if lora.exact else ", counted as for Llama's layer names") + f"), memory per GPU; "
+               f"activations of a {step} step; frozen base: weights as loaded, no grads or optimizer states; "
+               "ckpt: with gradient checkpointing:")
+    print_table(mtable, label="method", indent="")
 
 
 # --- task: infer ----------------------------------------------------------------------------------

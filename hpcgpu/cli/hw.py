@@ -18,7 +18,8 @@ from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, busy_warnings, select
 from hpcgpu.gpu.estimate import fmt_bytes
 from hpcgpu.gpu.readings import GpuReading
 from hpcgpu.gpu.source import default_source
-from hpcgpu.gpu.recommend import Recommendation, loader_workers, recommend_for_job
+from hpcgpu.gpu.recommend import (Recommendation, fine_tuning_methods, lighter_method, loader_workers,
+                                  method_recommendation, recommend_for_job)
 from hpcgpu.spec import Spec
 
 GiB = 1 << 30
@@ -48,6 +49,7 @@ def light_model_config(spec: Spec) -> dict[str, Any] | None:
 
 
 def spec_recommendation(spec: Spec, chosen: list[GpuReading]) -> tuple[Recommendation | None, str]:
+    """The settings for a train spec on the chosen GPUs (its train.lora's where it has one), and a note."""
     if spec.task == "callable":  # ctx.loader's DataLoader gets the workers hw recommends (runtime/loader.py)
         workers = loader_workers(spec.resources.cpus_per_gpu)
         return None, (f"task: callable has no batch or strategy to tune; ctx.loader gives each rank {workers} loader "
@@ -63,6 +65,21 @@ def spec_recommendation(spec: Spec, chosen: list[GpuReading]) -> tuple[Recommend
     except HpcgpuError as exc:  # a config that leaves sizes to transformers' defaults: estimate knows them
         return None, f"{exc}; `hpcgpu estimate SPEC` reads the full config"
     return rec, "parameters counted from the config alone: approximate outside GPT-2/Llama families"
+
+
+def lighter_advice(spec: Spec, chosen: list[GpuReading]) -> str | None:
+    """`hpcgpu estimate`'s line where the spec's way of fine-tuning does not fit these GPUs and LoRA or
+    QLoRA does (gpu/recommend.py lighter_method); None where it fits or nothing is known to judge by."""
+    cfg = light_model_config(spec) if spec.task == "train" else None
+    gpu_total = min((r.memory_total for r in chosen), default=None)
+    if cfg is None or gpu_total is None:
+        return None
+    try:
+        methods = fine_tuning_methods(spec, cfg)
+        recs = [method_recommendation(spec, m, None, cfg, gpu_total, spec.world_size) for m in methods]
+    except HpcgpuError:  # the recommendation's note says why the config cannot be judged
+        return None
+    return lighter_method(methods, recs)
 
 
 def thresholds(spec: Spec | None, memory: float | None, util: float | None, ignore_processes: bool) -> BusyThresholds:
@@ -108,7 +125,8 @@ def print_text(info: dict[str, Any], chosen: list[GpuReading], th: BusyThreshold
                f"RAM {mem['total'] / GiB:.1f} GiB, {mem['available'] / GiB:.1f} GiB available")
 
 
-def print_recommendation(spec: Spec, rec: Recommendation | None, note: str, chosen: list[GpuReading]) -> None:
+def print_recommendation(spec: Spec, rec: Recommendation | None, note: str, chosen: list[GpuReading],
+                         advice: str | None = None) -> None:
     batch = f", global batch {spec.train.global_batch_size}, seq_len {spec.data.seq_len}" if spec.task == "train" else ""
     click.echo(f"Recommended for {spec.name} ({spec.world_size} rank(s){batch}):")
     if rec is None:
@@ -118,6 +136,8 @@ def print_recommendation(spec: Spec, rec: Recommendation | None, note: str, chos
         click.echo("  no GPU here: these are the CPU defaults; `hpcgpu estimate SPEC --gpu-memory 80G` checks a GPU")
     click.echo(f"  {rec.summary()}" + ("" if rec.fits else "  (DOES NOT FIT)"))
     click.echo(f"  why: {rec.reason}")
+    if advice:
+        click.echo(f"  {advice}")
     click.echo(f"  ({note})")
 
 
@@ -153,12 +173,13 @@ def hw(spec_file: str | None, overrides: tuple[str, ...], gpus: int | None, node
     info = {"nvml": nvml, "driver": source.driver_version() if nvml else None, "selection": selection,
             "thresholds": th.__dict__, "gpus": [gpu_row(r, th) for r in chosen], **host_info(), "warnings": warnings}
     rec, note = spec_recommendation(spec, chosen) if spec else (None, "")
+    advice = lighter_advice(spec, chosen) if rec else None
     if as_json:
-        info["recommendation"] = {**rec.__dict__, "note": note} if rec else None
+        info["recommendation"] = {**rec.__dict__, "note": note, "advice": advice} if rec else None
         click.echo(json.dumps(info, indent=2))
     else:
         print_text(info, chosen, th)
         if spec:
-            print_recommendation(spec, rec, note, chosen)
+            print_recommendation(spec, rec, note, chosen, advice)
     for w in warnings:
         click.echo(f"hpcgpu: warning: {w}", err=True)

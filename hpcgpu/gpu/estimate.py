@@ -34,6 +34,8 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16,
   hpcgpu's trainer, compiled, H200: +6.4% / -5.4% (tests/gpu/test_gpu_layer.py); a plain loop on an
   H100 (benchmarks/estimate_vs_measured.py): compiled +19% / -5%, eager -7% / -3% (90 was fitted to
   these eager runs); an eager 86M model (vocab 256: all per-layer) at micro 32 on 2 H200s: -3%.
+train.lora (LoRA, QLoRA): the frozen base, the adapters and their states, in the LoRA section below;
+estimate(), max_micro_batch() and recommend take its LoraDims as `lora`.
 A GPU's usable memory is its total less the CUDA context and allocator slack (USABLE_* below).
 """
 from __future__ import annotations
@@ -249,21 +251,228 @@ def count_params(spec: Spec) -> tuple[int, Any]:
     return sum(p.numel() for p in model.parameters()), config  # parameters() counts tied weights once
 
 
+# ---------------------------------------------------------------- LoRA and QLoRA (train.lora)
+#
+# train.lora freezes the base and trains adapters through peft: each adapted layer of fan in x fan out
+# gets A (r x in) and B (out x r), r x (in + out) parameters. target_modules auto is peft's all-linear:
+# every linear layer (nn.Linear, GPT-2's Conv1D) of the blocks' attention and MLP, not the output head;
+# a list adapts the layers of those names (a name matches a layer whose path ends with it). The layer
+# names and sizes come from the config (block_linears), exact for the families LINEAR_NAMES knows (the
+# tests check them against peft's count); other families are read with Llama's names.
+# Per rank (DDP; ZeRO-1/2 differ only in the adapters' megabytes), A = adapter parameters:
+#   weights      the frozen base: Psi x 4 (float32, what model.dtype auto loads in a train job) or x 2
+#                (bfloat16/float16); QLoRA: the blocks' linear weights Q quantized by bitsandbytes, int4
+#                (NF4) INT4_BYTES = 0.5 + 4/64 (an fp32 absmax per 64 values) or int8 1 + an fp32 scale
+#                per row, and the rest (embeddings, output head, norms, biases) in fp32 (KBIT_REST_BYTES),
+#                where peft's prepare_model_for_kbit_training puts it; plus the adapters in fp32, 4 A
+#   grads        4 A: the adapters' only, nothing for the frozen base
+#   optimizer    AdamW's m and v in fp32: 8 A
+#   buffers      DDP's buckets of the adapters' gradients 4 A when N > 1; the bf16 copies autocast keeps of
+#                the adapters 2 A; a float32 base: the bf16 copies autocast makes of its weights for the
+#                backward, 2 x (the blocks' linear weights, one block's under checkpointing, + the head);
+#                QLoRA: one linear weight dequantized to bf16 for its matmul and the fp32 head's bf16 copy,
+#                2 x (largest linear + head); int8 also 4 Q, measured (INT8_TRAIN_BYTES)
+#   activations  activation_bytes as for full training, plus per adapted layer its input as the adapter
+#                keeps it, s x b x fan in x (2 + 1): peft casts the input to the adapters' fp32 and
+#                autocast makes a bf16 copy for each adapted layer (q, k and v keep three), and the dropout
+#                mask (1 byte; none with dropout 0); int8 also every quantized layer's fp16 input (2 bytes);
+#                checkpointed, one block's of these. A checkpointed layer's input is 2 bytes a value over a
+#                16-bit base, 4 over a float32 one or under QLoRA (the fp32 embedding makes the residual
+#                stream fp32)
+# Estimate vs torch.cuda.max_memory_allocated, H200, bitsandbytes 0.50, peft 0.21, r 16 on all-linear,
+# dropout 0.05, seq 2048, random weights (Llama-3.2-1B shape at micro 2, Llama-3-8B shape): with gradient
+# checkpointing -1% (bf16 base), -1% (int4), 0% (float32), +5% (8B int4, micro 1), compiled bf16 -6%;
+# without it compiled bf16 -2%, eager +14% (int4) to +34% (bf16) over (the eager coefficient is full
+# training's, whose trained layers keep their inputs); int8 with checkpointing -17% under (a step's peak
+# holds more than these terms).
+
+LORA_INPUT_BYTES = 2  # the bf16 copy of an adapted layer's input its adapter's matmul keeps
+LORA_MASK_BYTES = 1  # the dropout mask (bool) of that input, where lora.dropout > 0
+KBIT_REST_BYTES = 4  # under QLoRA what bitsandbytes leaves unquantized, cast to fp32 by peft's k-bit preparation
+INT8_ROW_BYTES = 4  # LLM.int8: an fp32 scale per output row
+INT8_INPUT_BYTES = 2  # bitsandbytes' int8 matmul keeps its input in fp16 for the backward, frozen or not
+INT8_TRAIN_BYTES = 4  # measured: bitsandbytes 0.50's int8 layers hold 4 bytes more per weight from the second step
+QUANTIZED = ("int8", "int4")
+LORA_BASES = ("float32", "bfloat16", "float16") + QUANTIZED
+AUTO_TARGETS = "all-linear"
+
+# a block's linear layers (path in the block; fan in and fan out by the names below) for the families
+# whose module names are known: q, k, v, o (attention), up/down (MLP) and gate (gated MLPs)
+_LLAMA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+          "mlp.up_proj", "mlp.down_proj")
+LINEAR_NAMES: dict[str, tuple[str, ...]] = {
+    "gpt2": ("attn.c_attn:qkv", "attn.c_proj:o", "mlp.c_fc:up", "mlp.c_proj:down"),
+    "gpt_neox": ("attention.query_key_value:qkv", "attention.dense:o", "mlp.dense_h_to_4h:up",
+                 "mlp.dense_4h_to_h:down"),
+    "bloom": ("self_attention.query_key_value:qkv", "self_attention.dense:o", "mlp.dense_h_to_4h:up",
+              "mlp.dense_4h_to_h:down"),
+    "opt": ("self_attn.q_proj:q", "self_attn.k_proj:k", "self_attn.v_proj:v", "self_attn.out_proj:o", "fc1:up",
+            "fc2:down"),
+    "phi": ("self_attn.q_proj:q", "self_attn.k_proj:k", "self_attn.v_proj:v", "self_attn.dense:o", "mlp.fc1:up",
+            "mlp.fc2:down"),
+    "phi3": ("self_attn.qkv_proj:qkv", "self_attn.o_proj:o", "mlp.gate_up_proj:gate_up", "mlp.down_proj:down"),
+    "gptj": ("attn.q_proj:q", "attn.k_proj:k", "attn.v_proj:v", "attn.out_proj:o", "mlp.fc_in:up",
+             "mlp.fc_out:down"),
+    "gpt_neo": ("attn.attention.q_proj:q", "attn.attention.k_proj:k", "attn.attention.v_proj:v",
+                "attn.attention.out_proj:o", "mlp.c_fc:up", "mlp.c_proj:down"),
+    "codegen": ("attn.qkv_proj:qkv", "attn.out_proj:o", "mlp.fc_in:up", "mlp.fc_out:down"),
+    "starcoder2": ("self_attn.q_proj:q", "self_attn.k_proj:k", "self_attn.v_proj:v", "self_attn.o_proj:o",
+                   "mlp.c_fc:up", "mlp.c_proj:down"),
+    **{m: tuple(f"{p}:{p.rsplit('.', 1)[1].removesuffix('_proj')}" for p in _LLAMA)
+       for m in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
+                 "granite", "cohere", "smollm3")},
+}
+
+MHA_ONLY = {"gpt2", "gpt_neox", "bloom", "opt", "gptj", "gpt_neo", "codegen"}  # as many K/V heads as queries
+
+
+@dataclass(frozen=True)
+class LoraDims:
+    """train.lora as the memory model counts it (lora_dims reads it from a config and the spec's keys)."""
+    base: str  # the frozen base's weights: float32 | bfloat16 | float16 (LoRA), int8 | int4 (QLoRA)
+    r: int
+    adapter_params: int  # r x (fan in + fan out) over the adapted layers of every block (and the head, if named)
+    adapted_inputs: int  # the fan in of one block's adapted layers: the inputs their adapters keep
+    head_inputs: int  # hidden where the output head has an adapter (a list naming lm_head), else 0
+    linear_params: int  # the weights of every block's linear layers: what bitsandbytes quantizes
+    linear_rows: int  # their output rows (int8 keeps a scale a row)
+    linear_inputs: int  # the fan in of one block's linear layers (int8 keeps each one's input)
+    layer_linear_params: int  # one block's linear weights
+    largest_linear: int  # the largest linear weight: dequantized whole for its matmul under QLoRA
+    head_params: int  # the output head's weight (the embedding's, where tied)
+    dropout: bool  # lora.dropout > 0: each adapted input keeps a dropout mask
+    exact: bool = True  # the family's layer names are known (LINEAR_NAMES)
+
+    @property
+    def quantized(self) -> bool:
+        return self.base in QUANTIZED
+
+
+def block_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], bool]:
+    """([(path in the block, fan in, fan out)] of one decoder block's linear layers, whether the family's
+    names are known) from the config alone; unknown families are read as Llama-named (gated MLPs) or with
+    up/down projections."""
+    h, _, heads, _, mtype = _shape(cfg)
+    cfg = with_defaults(cfg)
+    hd = int(cfg_get(cfg, "head_dim", default=h // heads) or h // heads)
+    kv = heads if mtype in MHA_ONLY else int(cfg_get(cfg, "num_key_value_heads", default=heads) or heads)
+    ffn = int(cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h)
+    q, k = heads * hd, kv * hd
+    size = {"q": (h, q), "k": (h, k), "v": (h, k), "o": (q, h), "qkv": (h, q + 2 * k), "gate": (h, ffn),
+            "up": (h, ffn), "down": (ffn, h), "gate_up": (h, 2 * ffn)}
+    names = LINEAR_NAMES.get(mtype)
+    known = names is not None
+    if names is None:
+        names = LINEAR_NAMES["llama"] if mtype in GATED else tuple(
+            p for p in LINEAR_NAMES["llama"] if not p.startswith("mlp.gate_proj"))
+    return [(path, *size[part]) for path, part in (n.split(":") for n in names)], known
+
+
+def _matches(path: str, target: str) -> bool:
+    """peft's rule for a name in target_modules: the layer's path is the name or ends with '.name'."""
+    return path == target or path.endswith("." + target)
+
+
+def lora_dims(cfg: Any, r: int = 16, target_modules: Any = "auto", dropout: float = 0.05,
+              base: str = "bfloat16") -> LoraDims:
+    """The adapters of train.lora (r, target_modules: auto or [names], dropout) on a model config
+    (object or mapping) whose frozen base is `base` (see LORA_BASES), without torch."""
+    if base not in LORA_BASES:
+        raise ValueError(f"lora_dims: base {base!r} is not one of {', '.join(LORA_BASES)}")
+    h, layers, _, vocab, mtype = _shape(cfg)
+    linears, known = block_linears(cfg)
+    head = ("lm_head", h, vocab)
+    if target_modules in ("auto", AUTO_TARGETS, None):
+        adapted, head_adapted = linears, False
+    else:
+        targets = [str(t) for t in target_modules]
+        adapted = [x for x in linears if any(_matches(x[0], t) for t in targets)]
+        head_adapted = any(_matches(head[0], t) for t in targets)
+        if not adapted and not head_adapted:
+            names = sorted({x[0].rsplit(".", 1)[-1] for x in linears} | {"lm_head"})
+            if known:
+                raise SpecError("train.lora.target_modules", f"{', '.join(targets)} names no linear layer of a "
+                                f"{mtype} model; its linear layers: {', '.join(names)}")
+            adapted, known = linears, False  # names of a family not known here: every linear layer, approximately
+    per_layer = sum(r * (fi + fo) for _, fi, fo in adapted)
+    return LoraDims(
+        base=base, r=r, adapter_params=layers * per_layer + (r * (h + vocab) if head_adapted else 0),
+        adapted_inputs=sum(fi for _, fi, _ in adapted), head_inputs=h if head_adapted else 0,
+        linear_params=layers * sum(fi * fo for _, fi, fo in linears),
+        linear_rows=layers * sum(fo for _, _, fo in linears), linear_inputs=sum(fi for _, fi, _ in linears),
+        layer_linear_params=sum(fi * fo for _, fi, fo in linears),
+        largest_linear=max(fi * fo for _, fi, fo in linears), head_params=vocab * h, dropout=dropout > 0,
+        exact=known)
+
+
+def lora_base_format(spec: Spec) -> str:
+    """The frozen base of a train.lora spec as the train task loads it: model.quantization (QLoRA), else
+    model.dtype, whose auto is float32 in a train job (runtime/model.py build_model)."""
+    if spec.model.quantization != "none":
+        return spec.model.quantization
+    return "float32" if spec.model.dtype == "auto" else spec.model.dtype
+
+
+def spec_lora_dims(spec: Spec, cfg: Any, base: str | None = None) -> LoraDims:
+    """lora_dims of the spec's train.lora (the schema's defaults where the spec has none: the rows a full
+    fine-tuning spec is compared with) on its frozen base (lora_base_format, or `base`)."""
+    from hpcgpu.spec.schema import Lora
+
+    lora = spec.train.lora or Lora()
+    return lora_dims(cfg, lora.r, lora.target_modules, lora.dropout, base or lora_base_format(spec))
+
+
+def lora_weight_bytes(n_params: int, a: LoraDims) -> int:
+    """The frozen base's weights (module comment above), without the adapters."""
+    if a.base == "float32":
+        return 4 * n_params
+    if not a.quantized:
+        return 2 * n_params
+    q = min(a.linear_params, n_params)
+    rest = KBIT_REST_BYTES * (n_params - q)
+    if a.base == "int8":
+        return q + INT8_ROW_BYTES * a.linear_rows + rest
+    return int(INT4_BYTES * q) + rest
+
+
 # ---------------------------------------------------------------- bytes
 
-def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP) -> int:
+def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP, lora: LoraDims | None = None) -> int:
+    """Activations of a micro batch; with `lora` (train.lora) plus what the adapters keep (LoRA section)."""
     s, b, h = d.seq_len, micro, d.hidden
     coef = ACT_PER_LAYER if d.compiled and st.zero_stage is None else ACT_PER_LAYER_EAGER
     per_layer = s * b * h * coef + (0 if d.flash_attention else ATTN_SCORES * d.heads * s * s * b)
     logits = b * s * h * LOGITS_BYTES + 4 * d.vocab * h if d.fused_loss else b * s * d.vocab * LOGITS_BYTES
+    kept = CKPT_INPUT_BYTES_DDP if st.zero_stage is None else CKPT_INPUT_BYTES_ZERO
+    if lora is not None:
+        keep = LORA_INPUT_BYTES + (LORA_MASK_BYTES if lora.dropout else 0)
+        per_layer += s * b * lora.adapted_inputs * keep
+        if lora.base == "int8":
+            per_layer += s * b * lora.linear_inputs * INT8_INPUT_BYTES
+        logits += s * b * lora.head_inputs * keep
+        kept = CKPT_INPUT_BYTES_ZERO if lora.base in ("bfloat16", "float16") else CKPT_INPUT_BYTES_DDP
     if st.checkpointing:  # inputs of every layer + one layer recomputed (module docstring)
-        kept = CKPT_INPUT_BYTES_DDP if st.zero_stage is None else CKPT_INPUT_BYTES_ZERO
         return d.n_layers * s * b * h * kept + per_layer + logits
     return d.n_layers * per_layer + logits
 
 
-def state_bytes(d: ModelDims, st: Strategy, world: int) -> tuple[int, int, int, int, int]:
-    """(weights, grads, optimizer, buffers, host RAM) per rank for the model states."""
+def lora_state_bytes(d: ModelDims, a: LoraDims, st: Strategy, world: int) -> tuple[int, int, int, int, int]:
+    """(weights, grads, optimizer, buffers, host RAM) per rank under train.lora (LoRA section)."""
+    n_adapter, n = a.adapter_params, max(1, world)
+    buffers = (4 * n_adapter if n > 1 else 0) + 2 * n_adapter
+    if a.base == "float32":
+        buffers += 2 * ((a.layer_linear_params if st.checkpointing else a.linear_params) + a.head_params)
+    elif a.quantized:
+        buffers += 2 * (a.largest_linear + a.head_params)
+        if a.base == "int8":
+            buffers += INT8_TRAIN_BYTES * a.linear_params
+    return lora_weight_bytes(d.n_params, a) + 4 * n_adapter, 4 * n_adapter, 8 * n_adapter, buffers, 0
+
+
+def state_bytes(d: ModelDims, st: Strategy, world: int, lora: LoraDims | None = None) -> tuple[int, int, int, int, int]:
+    """(weights, grads, optimizer, buffers, host RAM) per rank for the model states; `lora`: train.lora's."""
+    if lora is not None:
+        return lora_state_bytes(d, lora, st, world)
     p, n = d.n_params, max(1, world)
     if st.zero_stage is None:
         return 4 * p, 4 * p, 8 * p, (4 * p if n > 1 else 0) + 2 * p, 0
@@ -281,20 +490,21 @@ def state_bytes(d: ModelDims, st: Strategy, world: int) -> tuple[int, int, int, 
     return 2 * p // n, 2 * p // n, 12 * p // n, gathered + buckets // 2, 0
 
 
-def estimate(d: ModelDims, st: Strategy, micro: int, world: int) -> MemoryEstimate:
-    w, g, o, buf, host = state_bytes(d, st, world)
-    return MemoryEstimate(st, micro, w, g, o, buf, activation_bytes(d, micro, st), host)
+def estimate(d: ModelDims, st: Strategy, micro: int, world: int, lora: LoraDims | None = None) -> MemoryEstimate:
+    """Memory per rank of `st` at a micro batch; `lora`: training train.lora's adapters on a frozen base."""
+    w, g, o, buf, host = state_bytes(d, st, world, lora)
+    return MemoryEstimate(st, micro, w, g, o, buf, activation_bytes(d, micro, st, lora), host)
 
 
 def usable_bytes(gpu_total: int) -> int:
     return int(gpu_total * USABLE_FRACTION) - USABLE_RESERVE
 
 
-def max_micro_batch(d: ModelDims, st: Strategy, world: int, gpu_total: int) -> int:
+def max_micro_batch(d: ModelDims, st: Strategy, world: int, gpu_total: int, lora: LoraDims | None = None) -> int:
     """The largest micro batch whose estimate fits (0: not even one sequence). Activations are linear
     in the micro batch, so this is a division, not a search."""
-    fixed = estimate(d, st, 0, world).total  # with what the activations hold at any micro batch
-    per_sample = activation_bytes(d, 1, st) - activation_bytes(d, 0, st)
+    fixed = estimate(d, st, 0, world, lora).total  # with what the activations hold at any micro batch
+    per_sample = activation_bytes(d, 1, st, lora) - activation_bytes(d, 0, st, lora)
     room = usable_bytes(gpu_total) - fixed
     return max(0, room // per_sample) if per_sample else 0
 
