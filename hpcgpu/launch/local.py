@@ -197,13 +197,17 @@ def record_end(rank: Rank, code: int) -> None:
 
 
 def earliest_recorded(failed: list[tuple[Rank, int]]) -> tuple[Rank, int]:
-    """Of the failed ranks, the one whose failure record is oldest: its output holds the error line (the
-    others deferred to it), so its log's end is the one the console is shown."""
+    """Of the failed ranks, the one whose failure record is oldest, with the exit code it recorded: its
+    output holds the error line (the others deferred to it), so its log's end is the one the console is
+    shown; and a rank stopped while it was reporting its own error (SIGTERM, 143) failed with that error's code."""
     run_dir, attempt = failed[0][0].run_dir, failed[0][0].attempt
     if run_dir is None or len(failed) == 1:
         return failed[0]
-    times = {f.rank: f.time for f in read_failures(run_dir, attempt)}
-    return min(failed, key=lambda rc: (times.get(rc[0].index, float("inf")), rc[0].index))
+    records = {f.rank: f for f in read_failures(run_dir, attempt)}
+    rank, code = min(failed, key=lambda rc: (records[rc[0].index].time if rc[0].index in records else float("inf"),
+                                             rc[0].index))
+    recorded = records.get(rank.index)
+    return rank, recorded.exit_code if recorded is not None and recorded.exit_code is not None else code
 
 
 def exited_text(failed: list[tuple[Rank, int]]) -> str:

@@ -124,6 +124,8 @@ def test_the_adapter_loads_on_its_base_and_merged_gives_the_same_logits(runs: di
      "train.lora.target_modules: q_proj is not a linear layer of this gpt2 model; its linear layers: c_attn, c_fc, c_proj"),
     ({"model": {"quantization": "int4"}, "train": {"lora": None}}, "add train.lora (QLoRA"),
     ({"train": {"lora": None, "merge": True}}, "train.merge: merges LoRA adapters into the base: it needs train.lora"),
+    ({"distributed": {"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}}},
+     "train.lora trains under DDP or DeepSpeed ZeRO-1/2, not ZeRO-3"),
 ])
 def test_bad_lora_input_is_one_line_and_exit_2(tmp_path: Path, change: dict, message: str) -> None:
     spec = merge(lora_spec("bad"), change)

@@ -76,7 +76,8 @@ def test_spec_checks_are_one_error(train: dict, data: dict, needle: str) -> None
 def test_a_quantized_model_in_a_train_spec_is_one_error_not_ignored() -> None:
     raw = train_spec("q")
     raw["model"]["quantization"] = "int8"
-    with pytest.raises(HpcgpuError, match="model.quantization: quantized weights are for task: infer"):
+    with pytest.raises(HpcgpuError, match="model.quantization: a train spec trains quantized weights only through "
+                                          "adapters: add train.lora"):
         spec_from_raw(raw)
 
 

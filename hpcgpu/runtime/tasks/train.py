@@ -571,11 +571,12 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
     n_params, config = m.count_params(spec)
     d = m.dims_from_config(config, t.seq_len, n_params, t.compile, t.fused_loss)
     st = m.plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing)
-    e = m.estimate(d, st, t.micro_batch, plan.world_size)
+    lora = m.spec_lora_dims(spec, config) if spec.train.lora is not None else None  # the adapters' own figures
+    e = m.estimate(d, st, t.micro_batch, plan.world_size, lora)
     text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {m.fmt_bytes(e.total)} per GPU "
             f"(activations {m.fmt_bytes(e.activations)})")
     if plan.gpu_memory:
-        top = m.max_micro_batch(d, st, plan.world_size, plan.gpu_memory)
+        top = m.max_micro_batch(d, st, plan.world_size, plan.gpu_memory, lora)
         text += f" of {m.fmt_bytes(m.usable_bytes(plan.gpu_memory))} usable, the largest micro batch that fits {top}"
     return text
 
