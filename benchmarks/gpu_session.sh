@@ -63,6 +63,15 @@
 #            ab-train: $AB_ROUNDS train_vs_loops rounds (default 1, pooled over calls in /tmp/tvl-ab) of hpcgpu
 #            and hpcgpu+old at $AB_GPUS (default 1,2); ab-infer: 3 rounds of infer_throughput's 768 rows,
 #            hpcgpu and hpcgpu old
+#            lora-tests (#35: tests/gpu/test_gpu_lora.py: LoRA at 1 GPU compiled in bf16, QLoRA int4, and with 2 GPUs
+#            LoRA's DDP curve against the 1-GPU one; $LORA_TESTS_K: a pytest -k; runs kept in $LORA_TEST_DIR,
+#            default /tmp/lora-tests, so a later -k two_gpus reuses the 1-GPU run; ~2.5 min, +1.5 with 2 GPUs),
+#            lora-bench (#35: benchmarks/lora_bench.py, Llama-3.2-1B shape, seq 2048, LoRA r=16: hpcgpu vs a peft
+#            loop vs HF Trainer + peft, $LORA_ROUNDS interleaved rounds (default 3) of $LORA_SECONDS s (default
+#            20; ~130-160 s a run with a cold compile cache on an H200), then the memory table (full / LoRA / LoRA+gc / QLoRA, ~1.5 min) and hpcgpu's
+#            own peaks; the deadline stops between runs; $LORA_BENCH_FLAGS: more flags),
+#            lora (both; with 2+ GPUs overlapped: the rounds alone on GPU 0 and half the cores, the 1-GPU tests
+#            then the memory table on GPU 1 and the other cores, then the 2-GPU test)
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +110,7 @@ infer32() {  # infer32 NAME [infer_throughput flags...]: one of issue #32's step
     --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 15 )) 2>&1 | tee -a "$OUT/infer_$name.log" \
     | grep -v "^\[infer_throughput\] round" | tail -60
 }
+pin() { local cores="$1"; shift; if command -v taskset >/dev/null; then taskset -c "$cores" "$@"; else "$@"; fi; }
 pytest_gpu() { python3 -m pytest -q -s -p no:cacheprovider -rs "$@" 2>&1 | grep -vE "Warning|warn\(" ; }
 run_step() {
   local widths=1,2; [ "$ngpu" -ge 4 ] && widths=1,2,4
@@ -156,6 +166,28 @@ run_step() {
     ab-infer) fits 330 && step python3 benchmarks/infer_throughput.py --model gpt2-350m --variants "hpcgpu,hpcgpu old" --old-checkout .ab/old \
         --rows 768 --repeats 3 --work /tmp/ib-ab --json "$OUT/ab_infer.json" 2>&1 | tee "$OUT/ab_infer.log" | tail -25 ;;
     mfu) run_step mfu-gpt2; run_step mfu-llama ;;
+    lora-tests) fits "${LORA_TESTS_FITS:-150}" && HPCGPU_LORA_TEST_DIR="${LORA_TEST_DIR:-/tmp/lora-tests}" pytest_gpu tests/gpu/test_gpu_lora.py \
+        ${LORA_TESTS_K:+-k "$LORA_TESTS_K"} | tee -a "$OUT/gpu_tests.log" | tail -25 ;;
+    lora-bench) fits 240 && mkdir -p /tmp/lora-bench && step python3 benchmarks/lora_bench.py --rounds "${LORA_ROUNDS:-3}" \
+        --seconds "${LORA_SECONDS:-20}" --memory-hpcgpu --timeout 240 --work /tmp/lora-bench --json "$OUT/lora_bench.json" \
+        --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) ${LORA_BENCH_FLAGS:-} 2>&1 | tee "$OUT/lora_bench.log" | tail -45 ;;
+    lora) if [ "$ngpu" -lt 2 ]; then run_step lora-tests; run_step lora-bench; return; fi
+      fits 300 || return
+      local half=$(( $(nproc) / 2 )) t_lora=$SECONDS end=$(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 130 ))  # 130 s: the 2-GPU test
+      mkdir -p /tmp/lora-bench /tmp/lora-mem
+      CUDA_VISIBLE_DEVICES=0 pin "0-$(( half - 1 ))" python3 benchmarks/lora_bench.py --rounds "${LORA_ROUNDS:-3}" \
+        --seconds "${LORA_SECONDS:-20}" --memory "" --timeout 240 --work /tmp/lora-bench --json "$OUT/lora_bench.json" --deadline "$end" \
+        ${LORA_BENCH_FLAGS:-} >"$OUT/lora_bench.log" 2>&1 &
+      local bench=$!
+      ( export CUDA_VISIBLE_DEVICES=1
+        HPCGPU_LORA_TEST_DIR="${LORA_TEST_DIR:-/tmp/lora-tests}" pin "$half-$(( 2 * half - 1 ))" nice \
+          python3 -m pytest -q -s -p no:cacheprovider -rs tests/gpu/test_gpu_lora.py 2>&1 | grep -vE "Warning|warn\(" \
+          | tee -a "$OUT/gpu_tests.log" | tail -25
+        pin "$half-$(( 2 * half - 1 ))" nice python3 benchmarks/lora_bench.py --no-throughput --memory-hpcgpu --timeout 180 \
+          --work /tmp/lora-mem --json "$OUT/lora_mem.json" --deadline $(( end - (SECONDS - t_lora) )) 2>&1 \
+          | tee "$OUT/lora_mem.log" | tail -20 )
+      echo "=== waiting for the rounds on GPU 0"; wait "$bench"; echo "=== bench exit $?"; tail -45 "$OUT/lora_bench.log"
+      LORA_TESTS_K=two_gpus LORA_TESTS_FITS=90 run_step lora-tests ;;
     mfu-gpt2) fits 300 && mfu_round gpt2-124m "${MFU_VARIANTS_GPT2-$MFU_GPT2_DEFAULT}" ;;
     mfu-llama) fits "${MFU_LLAMA_FITS:-480}" && mfu_round llama-1b "${MFU_VARIANTS_LLAMA-$MFU_LLAMA_DEFAULT}" --steps 150 --warmup 20 \
         --log-every 10 ;;
