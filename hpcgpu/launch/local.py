@@ -305,7 +305,10 @@ def ranks_exit_code(ranks: list[Rank], first_failure: tuple[int, int] | None, ki
         first_failure = (first[0].index, first[1])
     index, code = first_failure
     if index != 0 and code != EXIT_STOPPED:  # rank 0 is on the console already; show where the others failed
-        say(f"rank {index} exited with code {_shell_code(code)}; the end of its log:\n" + tail(ranks[index].log.name))
+        end, error = tail_and_error(ranks[index].log.name)
+        say(f"rank {index} exited with code {_shell_code(code)}; the end of its log:\n" + end)
+        if error:  # the job's one error line (that rank reported it for all), as rank 0's would read
+            say(error.removeprefix("hpcgpu: "))
     return _shell_code(code)
 
 
@@ -316,12 +319,14 @@ def _say_safely(say: Callable[[str], None], message: str) -> None:
         pass
 
 
-def tail(path: str, lines: int = 15) -> str:
+def tail_and_error(path: str, lines: int = 15) -> tuple[str, str]:
+    """A log's last lines, indented, but for its `hpcgpu: error:` line, which comes back on its own."""
     try:
-        text = Path(path).read_text(errors="replace").splitlines()
+        text = Path(path).read_text(errors="replace").splitlines()[-lines:]
     except OSError:
-        return "(no log)"
-    return "\n".join("  | " + line for line in text[-lines:])
+        return "(no log)", ""
+    error = next((line for line in reversed(text) if line.startswith("hpcgpu: error:")), "")
+    return "\n".join("  | " + line for line in text if line != error) or "  | (nothing else)", error
 
 
 def _shell_code(code: int) -> int:
