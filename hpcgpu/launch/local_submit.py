@@ -31,8 +31,8 @@ from hpcgpu.launch.liveness import executor_alive, process_start
 from hpcgpu.launch.local import check_fits_here, local_gpus, run_local
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import (find_finished_run, find_unfinished_run, make_run_dir, shared_folder_note,
-                                  take_spec)
+from hpcgpu.launch.rundir import (find_finished_run, find_unfinished_run, make_run_dir, resume_text,
+                                  shared_folder_note, take_spec)
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.scheduler import format_duration
 from hpcgpu.launch.state import array_state
@@ -186,7 +186,7 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
     with contextlib.ExitStack() as held:
         if run_dir is not None:
             held.enter_context(runlock.hold(run_dir))  # RunDirLocked if one took it just now
-            say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
+            say(resume_text(run_dir, spec))
         else:
             finished = None if fresh else find_finished_run(spec)
             if finished is not None:  # the queue skips such a line; submit runs again, and says so

@@ -1,6 +1,7 @@
 """Run directories: runs/<name>/<id>/ with the fully resolved spec.yaml inside."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -11,7 +12,7 @@ from typing import Callable, Iterator
 import yaml
 
 from hpcgpu.errors import SpecError
-from hpcgpu.contract import RunPaths, is_finished
+from hpcgpu.contract import COMPLETE_MARKER, RunPaths, is_finished
 from hpcgpu.spec import Spec, dump_spec
 
 
@@ -131,8 +132,9 @@ def runs_of_this_spec(spec: Spec) -> Iterator[Path]:
 
 def same_run_spec(text: str, recorded: str, task: str) -> bool:
     """Whether a run dir's spec.yaml is this spec's: identical, except that an infer run may go on
-    with another replica count (resources.gpus, resources.nodes): its rows do not depend on it."""
-    if recorded == text or task != "infer":
+    with another replica count and a train run at another width (resources.gpus, resources.nodes): its
+    rows, or its loss curve at the same global batch, do not depend on it (the job's plan checks the rest)."""
+    if recorded == text or task not in ("infer", "train"):
         return recorded == text
     try:
         now, then = yaml.safe_load(text), yaml.safe_load(recorded)
@@ -177,3 +179,21 @@ def shared_folder_note(spec: Spec, run_dir: Path) -> str | None:
     return (f"note: the program runs in {Path.cwd()}, which every run of {spec.name} submitted from here shares: "
             "what it writes there by relative path (and resumes from) is the earlier runs' too; "
             "write to ${HPCGPU_RUN_DIR} (this run's folder) for outputs of this run alone")
+
+
+def resume_text(run_dir: Path, spec: Spec) -> str:
+    """'resuming the unfinished run DIR (same spec; --new starts afresh)', with the step it goes on from
+    and the width where a train run goes on at another one: read from the run's files, no torch."""
+    text = f"resuming the unfinished run {run_dir}"
+    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step-*")
+             if p.name[5:].isdigit() and (p / COMPLETE_MARKER).is_file()]
+    if steps:
+        text += f" from step {max(steps)}"
+    try:
+        ran_at = int(json.loads(RunPaths(run_dir).plan.read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        ran_at = None
+    now = spec.resources.nodes * spec.resources.gpus
+    if spec.task == "train" and ran_at is not None and ran_at != now:
+        text += f" at {now} GPUs (it ran at {ran_at}; the global batch stays {spec.train.global_batch_size})"
+    return text + " (same spec; --new starts afresh)"

@@ -17,7 +17,8 @@ from hpcgpu.errors import HpcgpuError, SchedulerError
 from hpcgpu.launch.options import per_node_text, sbatch_options
 from hpcgpu.launch.preflight import check_request
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
-from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_of_this_spec, shared_folder_note, take_spec
+from hpcgpu.launch.rundir import (make_run_dir, resume_text, run_dir_path, runs_of_this_spec, shared_folder_note,
+                                  take_spec)
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
@@ -114,7 +115,7 @@ def resumable_run(spec: Spec, registry: Registry, held: contextlib.ExitStack,
         say(f"the unfinished run {run_dir} may still run ({live}); starting a new run (--new says so at once)")
         return None
     take_spec(run_dir, spec)
-    say(f"resuming the unfinished run {run_dir} (same spec; --new starts afresh)")
+    say(resume_text(run_dir, spec))
     return run_dir
 
 

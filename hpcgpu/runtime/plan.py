@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
-from hpcgpu.errors import HpcgpuError
+from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.gpu.estimate import auto_infer_batch, count_params, fmt_bytes, infer_batch_limit, parse_size
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.spec import Spec
@@ -149,6 +149,8 @@ class RunPlan:
     train: TrainPlan | None = None
     infer: InferPlan | None = None
     version: int = PLAN_VERSION
+    # task: train resumed at another world size: every width it has run at, in order ([2, 1]); [] if one
+    widths: tuple[int, ...] = ()
 
     @property
     def training(self) -> TrainPlan:
@@ -190,6 +192,8 @@ class RunPlan:
         if int(top.get("version", 0)) > PLAN_VERSION:
             raise ValueError(f"plan version {top['version']} is newer than this hpcgpu's ({PLAN_VERSION})")
         train, infer = data.get("train"), data.get("infer")
+        if "widths" in top:
+            top["widths"] = tuple(top["widths"])
         return cls(**top, train=TrainPlan(**_known(TrainPlan, train)) if train is not None else None,
                    infer=InferPlan(**_known(InferPlan, infer)) if infer is not None else None)
 
@@ -394,9 +398,11 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
     if plan.infer is not None:  # the replica count may change: the batches do not depend on it
         _check_recorded_infer(plan.infer, spec, refuse)
         return
-    if plan.world_size != world:
+    if plan.world_size != world and (plan.train is None or plan.train.strategy == "deepspeed"):
+        # DDP's state is the same on every rank and the data position is global: it resumes at any width
         raise refuse("world size", plan.world_size, f"this job has {world} rank(s)",
-                     f"give it {plan.world_size} GPUs (resources.nodes x resources.gpus)")
+                     f"give it {plan.world_size} GPUs (resources.nodes x resources.gpus; a DeepSpeed run's "
+                     "partitioned checkpoint resumes only at the width it was saved at)")
     if plan.train is None:
         return
     t = plan.train
@@ -425,7 +431,7 @@ def _check_recorded_strategy(t: TrainPlan, spec: Spec, world: int, refuse: Calla
     """A strategy the spec now fixes must be the recorded one (DeepSpeed: with its stage and offload)."""
     fixed = fixed_strategy(spec, world)
     ds = spec.distributed.deepspeed
-    if fixed is not None and (fixed != t.strategy or fixed == "deepspeed" and (
+    if fixed is not None and (fixed != width_strategy(t.strategy, world) or fixed == "deepspeed" and (
             spec_deepspeed(spec) != (t.zero_stage, t.offload_optimizer, t.offload_params))):
         now = fixed if fixed != "deepspeed" else (
             f"deepspeed ZeRO-{ds.zero_stage}" + (" offload optimizer" if ds.offload_optimizer else "")
@@ -629,6 +635,30 @@ def gpu_memory_reading(device: Any, environ: Mapping[str, str] | None = None) ->
     return None
 
 
+def width_strategy(strategy: str, world: int) -> str:
+    """A recorded ddp/none plan's strategy at another world size (one rank needs no gradient copy)."""
+    if strategy in ("ddp", "none"):
+        return "ddp" if world > 1 else "none"
+    return strategy
+
+
+def at_width(plan: RunPlan, world: int) -> RunPlan:
+    """A recorded DDP train plan at another world size: the same global batch (and with it the same data
+    position, step count and loss curve), split over `world` ranks at the recorded micro batch, or the
+    largest that divides the new share. One line where the global batch does not divide."""
+    t = plan.training
+    try:
+        per_rank, _ = batch_split(t.global_batch, world, None, ranks="world size of this job")
+    except SpecError as exc:
+        raise HpcgpuError(f"{exc.path}: {exc.message}: the run started at {plan.world_size} rank(s) and goes on only "
+                          "at a width that divides its global batch") from None
+    micro = max(m for m in range(1, min(t.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    train = dataclasses.replace(t, batch_per_rank=per_rank, micro_batch=micro, accum=per_rank // micro,
+                                strategy=width_strategy(t.strategy, world))
+    widths = tuple(plan.widths) or (plan.world_size,)
+    return dataclasses.replace(plan, world_size=world, train=train, widths=widths + (world,))
+
+
 def check_same_base(plan: RunPlan, source: Path, spec: Spec) -> None:
     """Adapters resume only on the base they were trained on: the recorded identity of the base (a
     folder's config and weight files, or model.config and its seed) must be the base's now."""
@@ -657,6 +687,10 @@ def settle_plan(spec: Spec, paths: RunPaths, world: int, device: Any, num_sequen
         plan, source = recorded
         check_recorded(plan, source, spec, world)
         check_same_base(plan, source, spec)
+        if plan.train is not None and plan.world_size != world:
+            before = plan.world_size
+            plan = at_width(plan, world)
+            log.info(f"the run started at {before} rank(s) and goes on at {world}, the global batch unchanged")
         if plan.train is not None and not plan.train.max_steps:  # recorded by an older hpcgpu
             steps, per_epoch = train_steps(spec, num_sequences)
             plan = dataclasses.replace(plan, train=dataclasses.replace(

@@ -229,7 +229,7 @@ def test_make_run_dir_removes_what_it_made_when_spec_yaml_cannot_be_written(tmp_
     assert list(tmp_path.iterdir()) == []  # not even the runs/<name>/ folders it made on the way
 
 
-def test_an_unfinished_infer_run_is_the_same_run_at_another_replica_count_a_train_run_is_not(tmp_path):
+def test_an_unfinished_infer_or_train_run_is_the_same_run_at_another_width(tmp_path):
     from hpcgpu.launch import rundir
 
     runs = f"runs_dir={tmp_path / 'runs'}"
@@ -237,8 +237,7 @@ def test_an_unfinished_infer_run_is_the_same_run_at_another_replica_count_a_trai
         spec = load_spec(CONFIGS / config, [runs, "resources.gpus=2"])
         made = rundir.make_run_dir(spec)
         fewer = load_spec(CONFIGS / config, [runs, "resources.gpus=1"])
-        expected = made.resolve() if spec.task == "infer" else None
-        assert rundir.find_unfinished_run(fewer) == expected, config  # train: another world size, a fresh run
+        assert rundir.find_unfinished_run(fewer) == made.resolve(), config  # the job's plan goes on at the new width
         assert rundir.find_unfinished_run(load_spec(CONFIGS / config, [runs, "resources.gpus=1", other])) is None
 
 
