@@ -9,8 +9,10 @@ the plan only.
 
 The plan is written to `<run dir>/plan.json` (rank 0, atomically) before the first step and beside
 `spec.yaml` in every checkpoint. A resumed job reuses the recorded plan: a requeue onto other GPUs
-never switches DDP <-> DeepSpeed nor changes the micro batch. A recorded plan the new allocation
-cannot honour (another world size, a changed global batch) is one clear error naming both.
+never switches DDP <-> DeepSpeed nor changes the micro batch. A DDP run resumed at another world size
+keeps its global batch, re-split over the new ranks (at_width; `widths` records each). A recorded plan
+the new allocation cannot honour (a changed global batch, DeepSpeed at another width) is one clear
+error naming both.
 
 One change after the start: an out-of-memory error in the first step with micro_batch_size: auto
 halves the micro batch (halved_micro; the global batch stays, through accumulation) and the plan is
