@@ -231,15 +231,11 @@ def reserve_failure_record(run_dir: Path, attempt: str, rank: int) -> None:
         pass
 
 
-def failure_path(run_dir: Path, attempt: str, rank: int) -> Path:
-    return run_dir / FAILURES_DIR / f"{attempt}.rank-{rank}.json"
-
-
 def record_failure(run_dir: Path, failure: Failure, overwrite: bool = False) -> None:
     """Write one rank's failure (atomically; a record the rank wrote itself is kept unless overwrite).
     On a full disk the rank's reserved room (reserve_failure_record) takes it."""
     folder = run_dir / FAILURES_DIR
-    path = failure_path(run_dir, failure.attempt, failure.rank)
+    path = folder / f"{failure.attempt}.rank-{failure.rank}.json"
     if path.exists() and not overwrite:
         return
     body = (json.dumps(asdict(failure)) + "\n").encode()

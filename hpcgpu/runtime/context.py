@@ -273,9 +273,7 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     ctx.watchdog = Watchdog(run_dir, attempt_id(), env.rank, node,
                             spec_obj.distributed.hang_timeout_s if spec_obj else None,
-                            on_fire=(lambda: requeue_after_crash(env, spec_obj, run_dir)) if spec_obj else None,
-                            peers_wait_s=float(spec_obj.distributed.nccl.timeout_s)
-                            if spec_obj is not None and env.world_size > 1 else None).start()
+                            on_fire=(lambda: requeue_after_crash(env, spec_obj, run_dir)) if spec_obj else None).start()
     if spec_obj is not None:
         ctx.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
     ctx.stop_flag.install(stop_signals(spec_obj))

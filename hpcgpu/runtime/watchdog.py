@@ -30,7 +30,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hpcgpu.contract import (EXIT_HUNG, FAILURES_DIR, PROGRESS_ALIVE_S, Failure, failure_path, record_failure,
+from hpcgpu.contract import (EXIT_HUNG, FAILURES_DIR, PROGRESS_ALIVE_S, Failure, record_failure,
                              reserve_failure_record, reserve_path)
 from hpcgpu.contract import stalled_peer  # noqa: F401  (moved to the contract: the local executor reads it too)
 
@@ -40,7 +40,6 @@ STEP_FACTOR = 20  # the derived limit: this many median beat intervals
 FIRST_FACTOR = 3  # before the first beat: start-up, loading, compiling
 ARM_BEATS = 3  # beats before a derived limit applies
 SLOW_FACTOR = 4  # a checkpoint's save or load: this many limits
-OWN_UP_SHARE = 0.9  # of the peers' collective timeout: a rank idle this long owns up (Watchdog.own_up)
 ALIVE_S = PROGRESS_ALIVE_S  # a progress file older than this: its rank is gone, not stalled
 
 _current: "Watchdog | None" = None
@@ -89,11 +88,8 @@ def where(frame: Any) -> tuple[str, bool]:
 
 class Watchdog:
     def __init__(self, run_dir: Path, attempt: str, rank: int, node: str, timeout_s: float | None,
-                 on_fire: Callable[[], object] | None = None, peers_wait_s: float | None = None):
+                 on_fire: Callable[[], object] | None = None):
         self.run_dir, self.attempt, self.rank, self.node = run_dir, attempt, rank, node
-        # how long the peers' collectives wait for this rank (distributed.nccl.timeout_s; None: no peers)
-        self.peers_wait_s = peers_wait_s
-        self.owned_up = False
         self.on_fire = on_fire  # before the exit: a requeue where slurm.max_retries asks for one
         self.timeout_s = timeout_s
         self.factor = 1.0
@@ -146,29 +142,12 @@ class Watchdog:
             idle = time.monotonic() - self.last
             spot, in_collective = self.main_where()
             self.write_progress(spot, in_collective)
-            self.own_up(idle, spot, in_collective)
             if idle > self.limit() and not self.done.is_set():
                 self.fire(idle, spot)
 
     def main_where(self) -> tuple[str, bool]:
         frame = sys._current_frames().get(self.main.ident or -1)
         return where(frame) if frame is not None else ("?", False)
-
-    def own_up(self, idle: float, spot: str, in_collective: bool) -> None:
-        """A rank idle outside a collective for about as long as its peers' collectives wait: they time
-        out now, and under NCCL its watchdog aborts them (SIGABRT) before they can name this rank. So this
-        rank records itself as the failure first (timed at its last progress: the oldest record is the
-        job's reason, under SLURM as locally); withdrawn at the next look once it makes progress again."""
-        due = self.peers_wait_s is not None and not in_collective and idle > OWN_UP_SHARE * self.peers_wait_s
-        path = failure_path(self.run_dir, self.attempt, self.rank)
-        if due and not self.owned_up:
-            message = (f"made no progress for {idle:.0f} s (in {spot}) while the other ranks' collectives waited "
-                       f"for it (distributed.nccl.timeout_s {self.peers_wait_s:g})")
-            record_failure(self.run_dir, Failure(self.attempt, self.rank, self.node, EXIT_HUNG, message, self.last_wall))
-            self.owned_up = True
-        elif self.owned_up and not due:
-            path.unlink(missing_ok=True)
-            self.owned_up = False
 
     def write_progress(self, spot: str, in_collective: bool) -> None:
         body = {"rank": self.rank, "node": self.node, "beats": self.beats, "last_progress": self.last_wall,

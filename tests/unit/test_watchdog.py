@@ -86,25 +86,3 @@ def test_a_failure_names_where_the_nccl_flight_recorder_dumped(tmp_path: Path) -
     traces.mkdir()
     (traces / "rank_1").write_bytes(b"pickled entries")
     assert flight_recorder_note(tmp_path) == f"; NCCL flight recorder dumps in {traces}"
-
-
-def test_a_rank_idle_as_long_as_its_peers_wait_owns_up_and_withdraws_when_it_goes_on(tmp_path: Path) -> None:
-    """Under NCCL the waiting peers are aborted (SIGABRT) before they can name the rank they waited for:
-    the idle rank records itself, timed at its last progress, and takes it back once it makes progress."""
-    from hpcgpu.contract import read_failures
-
-    dog = Watchdog(tmp_path, "1.0", 1, "n2", timeout_s=None, peers_wait_s=10)
-    dog.own_up(8.0, "step at train.py:5", in_collective=False)  # under 0.9 x 10 s: nothing yet
-    assert read_failures(tmp_path) == []
-    dog.own_up(9.5, "step at train.py:5", in_collective=True)  # waiting in a collective itself: not the cause
-    assert read_failures(tmp_path) == []
-    dog.own_up(9.5, "step at train.py:5", in_collective=False)
-    (failure,) = read_failures(tmp_path)
-    assert failure.rank == 1 and failure.time == dog.last_wall
-    assert failure.message.startswith("made no progress for 10 s (in step at train.py:5) while the other ranks'")
-    dog.beat()
-    dog.own_up(0.1, "step at train.py:6", in_collective=False)  # it went on: withdrawn
-    assert read_failures(tmp_path) == []
-    alone = Watchdog(tmp_path, "1.0", 0, "n1", timeout_s=None)  # no peers: never
-    alone.own_up(1e6, "step at train.py:5", in_collective=False)
-    assert read_failures(tmp_path) == []
