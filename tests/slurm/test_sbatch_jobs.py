@@ -41,7 +41,7 @@ def test_two_gpus_one_node(slurm):
         assert env["RANK"] == env["SLURM_PROCID"] == str(rank)
         assert env["LOCAL_RANK"] == env["SLURM_LOCALID"] == str(rank)
         assert env["WORLD_SIZE"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
-        assert env["MASTER_ADDR"] == "n1"
+        assert env["MASTER_ADDR"] == info["BatchHost"]  # the node it ran on
         assert env["MASTER_PORT"] == str(10000 + int(job) % 20000)  # from the job id, never 29500
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
 

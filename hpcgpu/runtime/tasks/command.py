@@ -94,15 +94,17 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     received: list[int] = []
     proc: subprocess.Popen | None = None
 
+    relay = not launcher_signals_the_program(env)
+
     def forward(signum: int, frame: FrameType | None) -> None:
-        # once per signal: under `scancel --full` it reaches us from SLURM and from the batch script,
-        # and a program whose handler checkpoints and requeues (Lightning's) must not run it twice
+        # once per signal: under `scancel --full` it reaches us from SLURM and from the batch script
         if signum in received:
             return
         received.append(signum)
         if proc is not None:
             warn_unhandled(proc.pid, signum, spec, env)
-            proc.send_signal(signum)  # the program decides how to checkpoint and stop
+            if relay:
+                proc.send_signal(signum)  # the program decides how to checkpoint and stop
 
     previous = {s: signal.signal(s, forward) for s in stops}
     release_others(stops)
@@ -137,6 +139,14 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
     note = StopNote({}, f"the program exited with code {code} after the stop signal")
     return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
+
+
+def launcher_signals_the_program(env: DistEnv) -> bool:
+    """SLURM signals every process of the step (srun relays the batch script's copy the same way) and
+    the local executor each rank's whole process group: the program has its own copy. A second one
+    from us runs a handler that checkpoints and requeues (Lightning's) twice, the second inside the
+    first, where Lightning's TensorBoard logger deadlocks."""
+    return env.launcher in ("slurm", "local")
 
 
 def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> subprocess.Popen:
