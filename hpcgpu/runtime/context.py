@@ -33,7 +33,8 @@ from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
 from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun
 from hpcgpu.runtime.diagnostics import print_startup_line
-from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu, sync_batchnorm
+from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu, shard_for_plan, sync_batchnorm
+from hpcgpu.runtime.fsdp_strategy import rebind_optimizer
 from hpcgpu.runtime.env import DistEnv, bind_gpu_group
 from hpcgpu.runtime.loader import ResumableLoader, cpus_per_rank, merged_options, per_rank_batch, recommended_options
 from hpcgpu.runtime.logsetup import setup_logging
@@ -113,6 +114,11 @@ class Context:
             ds = DeepSpeedRun.for_plan(self.spec, plan)
         else:
             module = module.to(self.device)  # in place: the optimizer's parameters stay the module's
+        if plan.training.strategy == "fsdp":  # sharding makes new parameters: the optimizer follows them
+            _dist.init_process_group(self.env, self.spec, self.device, alone=True)  # a lone rank's group
+            before = dict(module.named_parameters())
+            module = shard_for_plan(module, self.spec, plan, self.device)
+            rebind_optimizer(optimizer, before, module)
         engine = Engine(self.spec, plan, self.device, module, optimizer, scheduler, ds=ds)
         engine.wrap()
         log.info(f"ctx.prepare: {engine.describe()} on {self.device} x {self.world_size}, {plan.precision}")

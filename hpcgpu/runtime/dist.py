@@ -53,9 +53,9 @@ def flight_recorder_env(trace_dir: Path) -> dict[str, str]:
 def init_process_group(env: DistEnv, spec: Spec | None, device: torch.device, alone: bool = False,
                        trace_dir: Path | None = None) -> None:
     """Start the process group (nccl on GPU, gloo on CPU) of a job of several ranks. A job of one rank
-    gets none unless `alone` (DeepSpeed's engine needs a group even alone): then a one-rank group on an
+    gets none unless `alone` (DeepSpeed's engine and fsdp need a group even alone): then a one-rank group on an
     in-memory store. The train task calls this once for a distributed job (in init) and, for one rank,
-    once more only after its run plan chose DeepSpeed: the group never starts twice."""
+    once more only after its run plan chose DeepSpeed or fsdp: the group never starts twice."""
     export_rendezvous(env, spec)
     alone_in_deepspeed = alone and not env.distributed
     if not (env.distributed or alone_in_deepspeed) or dist.is_initialized():

@@ -3,8 +3,9 @@ and its state in checkpoints. `task: train` (the Trainer) and `ctx.prepare` (the
 are both thin layers on it.
 
 - wrap: the strategy the plan chose, in one dispatch (`Engine.wrap`): the bare model for one rank,
-  DDP with the distributed.ddp options, or the DeepSpeed engine with the plan's config (FSDP slots in
-  here). The only DDP construction in hpcgpu is `wrap_ddp`.
+  DDP with the distributed.ddp options, or the DeepSpeed engine with the plan's config. FSDP2 shards
+  the module before an optimizer exists (`shard_for_plan`, runtime/fsdp_strategy.py), so its wrap is
+  the sharded module itself. The only DDP construction in hpcgpu is `wrap_ddp`.
 - precision: the plan's (bf16/fp16 autocast, fp32 none) and the GradScaler of fp16 (`Precision`).
 - step: backward (scaled, or the DeepSpeed engine's), then clip to train.grad_clip, optimizer step,
   scaler update, zero_grad and the scheduler's step (`optimizer_step`); accumulation and no_sync are
@@ -19,6 +20,7 @@ the spec gives only what the plan does not hold (the DDP options, grad_clip, syn
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -35,12 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpcgpu.runtime.checkpoint import CheckpointManager, Payload, complete_checkpoints
 from hpcgpu.runtime.deepspeed_strategy import DeepSpeedPayload, DeepSpeedRun
+from hpcgpu.runtime.fsdp_strategy import shard_model
 from hpcgpu.runtime.plan import RunPlan
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.strategy import ddp_options, describe_ddp
 from hpcgpu.runtime import watchdog
 from hpcgpu.runtime.watchdog import beat
 from hpcgpu.spec import Spec
+from hpcgpu.spec.schema import Fsdp
 
 log = logging.getLogger("hpcgpu")
 
@@ -82,6 +86,17 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, options: dict[str, An
     """The one DDP construction of hpcgpu: this rank's device, the distributed.ddp options."""
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids, **options)
+
+
+def shard_for_plan(module: torch.nn.Module, spec: Spec | None, plan: RunPlan, device: torch.device,
+                   compile_blocks: bool = False) -> torch.nn.Module:
+    """Under the plan's fsdp: the module sharded in place (before its optimizer is made); else as it is.
+    CPU offload is the plan's (recorded at the first start), the other options the spec's."""
+    t = plan.training
+    if t.strategy != "fsdp":
+        return module
+    options = dataclasses.replace(spec.distributed.fsdp if spec is not None else Fsdp(), cpu_offload=t.offload_params)
+    return shard_model(module, options, plan.precision, device, compile_blocks=compile_blocks)
 
 
 # ---------------------------------------------------------------- precision
@@ -150,7 +165,7 @@ class Engine:
         elif self.strategy == "ddp":
             self.ddp_options = ddp_options(self.spec, own_loop=self.own_loop, compiled=is_compiled(target))
             self.model = wrap_ddp(target, self.device, self.ddp_options)
-        else:
+        else:  # one rank, or fsdp: sharded already (shard_for_plan)
             self.model = target
         return self.model
 
@@ -166,6 +181,8 @@ class Engine:
             how += f" ({describe_ddp(self.ddp_options)})"
         if self.strategy == "deepspeed":
             how += f" ZeRO-{self.plan.training.zero_stage}"
+        if self.strategy == "fsdp" and self.plan.training.offload_params:
+            how += " (CPU offload)"
         return how
 
     # -- one step

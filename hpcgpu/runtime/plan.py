@@ -63,11 +63,11 @@ class TrainPlan:
     batch_per_rank: int
     micro_batch: int
     accum: int
-    strategy: str  # none | ddp | deepspeed
+    strategy: str  # none | ddp | fsdp | deepspeed
     zero_stage: int | None = None  # deepspeed only
-    offload_optimizer: bool = False  # deepspeed only
-    offload_params: bool = False  # deepspeed ZeRO-3 only
-    compile: bool = False  # torch.compile of the DDP step (DeepSpeed runs eager)
+    offload_optimizer: bool = False  # deepspeed; fsdp's cpu_offload (both offloads)
+    offload_params: bool = False  # deepspeed ZeRO-3; fsdp's cpu_offload
+    compile: bool = False  # torch.compile of the DDP step, or of each block under fsdp (DeepSpeed runs eager)
     loader_workers: int = 0
     bytes_per_gpu: int | None = None  # the memory estimate, where GPU memory was gone by
     fits: bool | None = None  # None: not estimated
@@ -86,8 +86,10 @@ class TrainPlan:
         return self.global_batch * self.seq_len
 
     def how(self) -> str:
-        """ddp | none | deepspeed ZeRO-3 offload optimizer."""
+        """ddp | none | fsdp (offload) | deepspeed ZeRO-3 offload optimizer."""
         text = self.strategy
+        if self.strategy == "fsdp" and self.offload_params:
+            text += " offload"
         if self.strategy == "deepspeed":
             text += f" ZeRO-{self.zero_stage}"
             offload = [name for name, on in (("params", self.offload_params), ("optimizer", self.offload_optimizer))
@@ -232,7 +234,7 @@ def fixed_strategy(spec: Spec, world: int) -> str | None:
         raise HpcgpuError(f"distributed.strategy: none cannot run {world} ranks; use ddp")
     if s in ("ddp", "none"):
         return "ddp" if world > 1 else "none"  # a ddp spec scaled down to one GPU: no gradient copy
-    return "deepspeed"
+    return s  # fsdp (at one rank too: its CPU offload serves a lone GPU), deepspeed
 
 
 def ranks_of_job(spec: Spec, world: int) -> str:
@@ -324,8 +326,12 @@ def _recommend(spec: Spec, world: int, device_type: str, gpu_memory: int | None,
 
 
 def zero_settings(spec: Spec, strategy: str, fixed: bool, rec: Any) -> tuple[int | None, bool, bool]:
-    """(ZeRO stage, offload optimizer, offload params) of the plan's strategy: none but for DeepSpeed;
-    the spec's as written where it fixes DeepSpeed; else those the recommendation came with."""
+    """(ZeRO stage, offload optimizer, offload params) of the plan's strategy: none but for DeepSpeed
+    and fsdp (cpu_offload: both); DeepSpeed's as the spec writes them where it fixes DeepSpeed, else
+    those the recommendation came with."""
+    if strategy == "fsdp":
+        off = spec.distributed.fsdp.cpu_offload
+        return None, off, off
     if strategy != "deepspeed":
         return None, False, False
     if fixed:
@@ -354,8 +360,8 @@ def plan_own_loop(spec: Spec | None, world: int, *, device_type: str, bf16_suppo
             if strategy == "deepspeed":
                 raise
             reason += f"; no batch per rank: {exc}"
-    stage, off_opt, off_params = spec_deepspeed(spec) if spec is not None and strategy == "deepspeed" \
-        else (None, False, False)
+    stage, off_opt, off_params = (None, False, False) if spec is None else \
+        zero_settings(spec, strategy, True, None)
     train = TrainPlan(global_batch=spec.train.global_batch_size if spec is not None else 0, seq_len=0,
                       batch_per_rank=per_rank, micro_batch=per_rank, accum=1, strategy=strategy, zero_stage=stage,
                       offload_optimizer=off_opt, offload_params=off_params)

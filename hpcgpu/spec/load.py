@@ -250,6 +250,7 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     _check_slurm_extra(spec, lines)
     _check_batch(spec, lines)
     _check_train_keys(spec, lines)
+    _check_fsdp(spec, lines)
 
 
 def _check_task_needs(spec: Spec, lines: LineMap, *, need_data: bool) -> None:
@@ -364,6 +365,25 @@ def _check_train_keys(spec: Spec, lines: LineMap) -> None:
         raise lines.error("train.early_stopping", "needs data.eval: the eval loss it watches comes from it")
     if not t.eval_every:
         raise lines.error("train.early_stopping", "needs train.eval_every (evals during training, e.g. 100)")
+
+
+def _check_fsdp(spec: Spec, lines: LineMap) -> None:
+    """What distributed.strategy: fsdp does not run with, each with the key to change."""
+    if spec.distributed.strategy != "fsdp":
+        return
+    t = spec.train
+    if t.lora is not None:
+        raise lines.error("train.lora", "trains under DDP or DeepSpeed ZeRO-1/2, not distributed.strategy: fsdp")
+    if t.fused_loss:
+        raise lines.error("train.fused_loss", "reads the output layer's weight outside the model's forward, where "
+                          "distributed.strategy: fsdp holds only its shard; set it to false")
+    if t.precision == "fp16":
+        raise lines.error("train.precision", "distributed.strategy: fsdp trains in bf16 or fp32 (fp16's loss scale "
+                          "would need one overflow check over every shard); use bf16")
+    if t.compile is not False and t.compile_mode in ("reduce-overhead", "max-autotune"):
+        raise lines.error("train.compile_mode", f"{t.compile_mode} captures CUDA graphs, which the collectives "
+                          "distributed.strategy: fsdp runs between blocks break; use default or "
+                          "max-autotune-no-cudagraphs")
 
 
 def _check_sweep(spec: Spec, lines: LineMap) -> None:

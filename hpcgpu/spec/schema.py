@@ -126,6 +126,20 @@ class DeepSpeed:
 
 
 @dataclass(frozen=True)
+class Fsdp:
+    """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard on each transformer block and the root)."""
+
+    reshard_after_forward: bool = field(default=True, metadata=meta(
+        "free each block's gathered weights after its forward and gather them again for the backward "
+        "(ZeRO-3's memory); false keeps them until the backward (ZeRO-2's: more memory, one all-gather less)"))
+    cpu_offload: bool = field(default=False, metadata=meta(
+        "weights, gradients and optimizer states in CPU memory between uses (CPUOffloadPolicy; the "
+        "optimizer steps on the CPU)"))
+    reduce_dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata=meta(
+        "dtype of the gradient reduce-scatter; the weights are gathered in train.precision's dtype"))
+
+
+@dataclass(frozen=True)
 class Nccl:
     debug: Optional[Literal["VERSION", "WARN", "INFO", "TRACE"]] = field(default=None, metadata=meta("NCCL_DEBUG"))
     socket_ifname: Optional[str] = field(default=None, metadata=meta(
@@ -153,10 +167,12 @@ class Ddp:
 
 @dataclass(frozen=True)
 class Distributed:
-    strategy: Literal["auto", "ddp", "deepspeed", "none"] = field(default="auto", metadata=meta(
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed", "none"] = field(default="auto", metadata=meta(
         "auto: ddp for several ranks, none for one, or deepspeed when the memory estimate says the model "
-        "does not fit DDP on these GPUs (the run plan decides, plan.json records it)"))
+        "does not fit DDP on these GPUs (the run plan decides, plan.json records it); fsdp: PyTorch FSDP2, "
+        "the model sharded block by block"))
     ddp: Ddp = field(default_factory=Ddp, metadata=meta("DistributedDataParallel settings (strategy ddp)"))
+    fsdp: Fsdp = field(default_factory=Fsdp, metadata=meta("FSDP2 settings (strategy fsdp)"))
     deepspeed: DeepSpeed = field(default_factory=DeepSpeed, metadata=meta("DeepSpeed settings"))
     nccl: Nccl = field(default_factory=Nccl, metadata=meta("NCCL settings exported before init"))
     hang_timeout_s: Optional[int] = field(default=None, metadata=meta(

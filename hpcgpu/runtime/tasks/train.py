@@ -48,7 +48,8 @@ from hpcgpu.runtime.data import (
     load_tokenizer)
 from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun
 from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
-from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu
+from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu, shard_for_plan
+from hpcgpu.runtime.fsdp_strategy import full_state_dict
 from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.lora import add_adapters, prepare_quantized, trainable_count, write_merged
@@ -259,6 +260,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.raw_model, spec.data.seq_len, self.n_params)
         if p.adapter:  # a frozen weight needs no weight gradient: 4N (forward, input gradients) + the adapters'
             self.flops_per_token -= 2 * (self.n_params - self.n_trainable)
+        # fsdp: sharded before the optimizer is made, each block compiled where the plan compiles
+        self.raw_model = shard_for_plan(self.raw_model, spec, plan, self.device, compile_blocks=p.compile)
         self.engine = self._build_engine()
         self.optimizer, self.scheduler = self.engine.optimizer, self.engine.scheduler
         self.cuda_graphs = p.compile and spec.train.compile_mode in ("reduce-overhead", "max-autotune")
@@ -272,7 +275,9 @@ class Trainer:
         self.best_step: int | None = None  # how many evals since then did not improve on it
         self.evals_without_improvement = 0
         # the first step of this start is guarded against running out of memory (module docstring)
-        self.guard_next_step = self.ds is None and not (self.strategy == "ddp" and spec.distributed.ddp.static_graph)
+        # (not under fsdp: its forward gathers weights, a collective a rank out of memory would leave waiting)
+        self.guard_next_step = self.ds is None and self.strategy != "fsdp" and \
+            not (self.strategy == "ddp" and spec.distributed.ddp.static_graph)
         self.on_new_plan: Callable[[RunPlan], None] | None = None  # records a plan changed in the job
         seed_rank(spec.train.seed, ctx.rank)
 
@@ -305,7 +310,7 @@ class Trainer:
         return model
 
     def _build_engine(self) -> Engine:
-        offload = self.ds is not None and self.tp.offload_optimizer
+        offload = self.tp.offload_optimizer  # DeepSpeed's or fsdp's: the optimizer steps on the CPU
         optimizer = build_optimizer(self.raw_model, self.spec, self.device, offload=offload)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.spec, self.max_steps))
         return Engine(self.spec, self.plan, self.device, self.raw_model, optimizer, scheduler, ds=self.ds,
@@ -316,7 +321,7 @@ class Trainer:
         model: torch.nn.Module = self.raw_model
         if self.tp.fused_loss:
             model = FusedLossLM(model, liger_sum_loss())
-        if self.tp.compile:
+        if self.tp.compile and self.strategy != "fsdp":  # fsdp compiled each block (shard_for_plan)
             model = torch.compile(model, mode=self.spec.train.compile_mode)  # type: ignore[assignment]
         return model
 
@@ -785,8 +790,10 @@ def save_final_model(ctx: Context, tr: Trainer) -> Path:
     """A plain Hugging Face model (loads without DeepSpeed), written by rank 0, renamed when complete."""
     out = ctx.run_dir / "model"
     lora = tr.spec.train.lora is not None
-    # ZeRO-2 holds whole weights in every rank: only ZeRO-3 (never with LoRA) needs them gathered
+    # ZeRO-2 holds whole weights in every rank: only ZeRO-3 (never with LoRA) and fsdp need them gathered
     state_dict = tr.ds.consolidated_state_dict() if tr.ds is not None and not lora else None  # collective
+    if tr.strategy == "fsdp":
+        state_dict = full_state_dict(tr.raw_model)  # collective; rank 0 holds it
     if ctx.is_main:
         tmp = ctx.run_dir / "model.tmp"
         if tmp.exists():
@@ -818,10 +825,10 @@ def quiet_libraries(ctx: Context) -> None:
 def start_plan(ctx: Context, spec: Spec, paths: RunPaths, data: TrainData) -> RunPlan:
     """Settle the run plan (before the model is built: the strategy decides how it is built and
     wrapped; after the data is read: train.epochs counts its sequences) and give a lone rank the
-    group DeepSpeed needs, now that the plan chose it. A job of several ranks has had its group since
+    group DeepSpeed and fsdp need, now that the plan chose one. A job of several ranks has had its group since
     init(): the group starts exactly once either way."""
     plan = settle_plan(spec, paths, ctx.world_size, ctx.device, num_sequences=len(data.train))
-    if plan.training.strategy == "deepspeed" and not ctx.env.distributed:
+    if plan.training.strategy in ("deepspeed", "fsdp") and not ctx.env.distributed:
         init_process_group(ctx.env, spec, ctx.device, alone=True)
     ctx.plan = plan
     ctx.checkpoint.plan_text = plan.to_json()  # beside spec.yaml in every checkpoint
