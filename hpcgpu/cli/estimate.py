@@ -1,4 +1,5 @@
-"""`hpcgpu estimate SPEC`: GPU memory per rank under each strategy, and what fits; for task: infer,
+"""`hpcgpu estimate SPEC`: GPU memory per rank under each strategy (DDP, ZeRO-1/2/3 with and without
+offload, FSDP2 with and without CPU offload), and what fits; for task: infer,
 per GPU of a model copy by weight format (float32, bfloat16, int8, int4) and gpus_per_replica (1, 2,
 4, 8) with the KV cache of the batch, and the gpus_per_replica submit would choose.
 
@@ -54,7 +55,7 @@ def rows(d: ModelDims, micro: int, world: int, gpu_total: int | None,
 def strategy_row(d: ModelDims, st: Strategy, micro: int, world: int, gpu_total: int | None,
                  lora: LoraDims | None = None) -> dict[str, Any]:
     e = estimate(d, st, micro, world, lora)
-    return {"strategy": st.name, "zero_stage": st.zero_stage, "offload": st.offload,
+    return {"strategy": st.name, "zero_stage": st.zero_stage, "fsdp": st.fsdp, "offload": st.offload,
             "gradient_checkpointing": st.checkpointing,
             "weights": e.weights, "grads": e.grads, "optimizer": e.optimizer, "buffers": e.buffers,
             "activations": e.activations, "total": e.total, "host": e.host,
@@ -63,13 +64,15 @@ def strategy_row(d: ModelDims, st: Strategy, micro: int, world: int, gpu_total: 
 
 
 def method_rows(d: ModelDims, methods: list[Method], recs: list[Recommendation], micro: int, world: int,
-                gpu_total: int | None) -> list[dict[str, Any]]:
+                gpu_total: int | None, reshard_after_forward: bool = True) -> list[dict[str, Any]]:
     """One row per way to fine-tune (full, LoRA, QLoRA) at the micro batch, under the strategy its
     recommendation takes (LoRA: DDP), without gradient checkpointing and (`checkpointed`) with it; and
-    what its recommendation chose."""
+    what its recommendation chose. reshard_after_forward: distributed.fsdp's, for a recommendation of
+    fsdp (only a spec that fixes it has one)."""
     out = []
     for m, rec in zip(methods, recs):
-        st = plan_strategy(rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer")
+        st = plan_strategy(rec.zero_stage, rec.offload != "none", rec.offload == "params+optimizer",
+                           fsdp=rec.strategy == "fsdp", reshard_after_forward=reshard_after_forward)
         row = strategy_row(d, st, micro, world, gpu_total, m.lora)
         ck = strategy_row(d, with_checkpointing(st), micro, world, gpu_total, m.lora)
         row["checkpointed"] = {k: ck[k] for k in ("activations", "total", "fits", "max_micro_batch")}
@@ -119,8 +122,8 @@ def max_text(value: int | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None,
                  gpu_memory: str | None, micro_batch: int | None, prompt_tokens: int | None, as_json: bool) -> None:
-    """Memory per GPU for SPEC under DDP and ZeRO-1/2/3 (with and without offload): weights, grads,
-    optimizer states, buffers and activations; what fits, and the largest micro batch that does.
+    """Memory per GPU for SPEC under DDP, ZeRO-1/2/3 and FSDP2 (with and without offload): weights,
+    grads, optimizer states, buffers and activations; what fits, and the largest micro batch that does.
     Beside them full fine-tuning, LoRA and QLoRA (train.lora), and which lighter one fits where the
     spec's does not. For task: infer, per GPU of a model copy by weight format and gpus_per_replica:
     weights, KV cache, activations; what fits, and the fewest GPUs a copy needs (gpus_per_replica: auto)."""
@@ -149,7 +152,7 @@ def estimate_train(spec: Spec, gpu_total: int | None, gpu_what: str, micro_batch
     table = rows(d, micro, world, gpu_total, spec.train.gradient_checkpointing)
     methods = fine_tuning_methods(spec, cfg)
     recs = [rec if m.own else method_recommendation(spec, m, n_params, cfg, gpu_total, world) for m in methods]
-    mtable = method_rows(d, methods, recs, micro, world, gpu_total)
+    mtable = method_rows(d, methods, recs, micro, world, gpu_total, spec.distributed.fsdp.reshard_after_forward)
     advice = lighter_method(methods, recs) if gpu_total else None
     if as_json:
         click.echo(json.dumps({"params": n_params, "dims": d.__dict__, "world": world, "micro_batch": micro,
@@ -169,7 +172,7 @@ def estimate_train(spec: Spec, gpu_total: int | None, gpu_what: str, micro_batch
         ckpt = {True: "every row with gradient checkpointing (+ckpt)", False: "no gradient checkpointing",
                 "auto": "ckpt: the same with gradient checkpointing (auto tries it before the next strategy)"}[
             spec.train.gradient_checkpointing]
-        click.echo(f"full fine-tuning, memory per GPU; activations of a {step} DDP step, DeepSpeed rows eager; "
+        click.echo(f"full fine-tuning, memory per GPU; activations of a {step} DDP/FSDP step, DeepSpeed rows eager; "
                    f"{ckpt}; host: RAM per rank for offloaded states:")
         print_table(table)
     print_methods(spec, methods, mtable, step)

@@ -13,6 +13,17 @@ Model states (Psi = parameter count), per GPU, world size N:
          stage 3: 16 Psi/N + the gathered working set (two layers and the embedding in bf16)
          offload_optimizer moves the fp32 states and grads (16 Psi/N) to host RAM; offload_params the
          bf16 weights too; ZeRO-1/2 add reduce/all-gather buckets (2 x min(Psi, 5e8) bf16 values)
+  fsdp   (PyTorch FSDP2: fully_shard on every block and the root; MixedPrecisionPolicy gathers the weights
+         in bf16, the sharded master weights, the grads (reduce-scattered in fp32) and AdamW's m and v stay
+         fp32): weights 4 Psi/N, grads 4 Psi/N, Adam 8 Psi/N; buffers, the gathered working set: the
+         root's own weights R (embeddings, final norm, untied head), gathered at its forward and kept
+         to the end of the backward (FSDP2 does not reshard the root after forward), 2 R, and their
+         unsharded bf16 grads through the backward, 2 R; the weights of the block computed and of the
+         one prefetched, 2 x 2 x layer; one block's unsharded grads as the fp32 reduce-scatter input,
+         4 x layer. reshard_after_forward false keeps every block's gathered weights from its forward
+         to its backward: 2 x layers x layer instead of the two blocks. cpu_offload (CPUOffloadPolicy,
+         the optimizer steps on the CPU): the 16 Psi/N in host RAM, the working set alone on the GPU.
+         Not yet checked against a measured peak; distributed.strategy: auto does not choose it
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16, no recomputation):
   per layer  s*b*h*(34 + 5*a*s/h) bytes; the 5as/h term (the attention matrix) is gone with
              flash/SDPA attention, which never stores it
@@ -22,14 +33,16 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16,
   gradient checkpointing (train.gradient_checkpointing; Korthikanti et al. 2022 section 4, "full
              activation recomputation", after Chen et al. 2016): each layer keeps only its input,
              s*b*h*c bytes per layer (c = 4 under DDP, whose residual stream stays fp32 with fp32
-             weights under autocast; 2 under DeepSpeed's bf16 weights, the paper's 2sbhL), plus the
-             activations of one layer, recomputed during its backward (the per-layer figure above);
-             the logits are not checkpointed (Hugging Face checkpoints the decoder blocks only)
+             weights under autocast; 2 under DeepSpeed's bf16 weights and FSDP's bf16 gathered ones,
+             the paper's 2sbhL), plus the activations of one layer, recomputed during its backward
+             (the per-layer figure above); the logits are not checkpointed (Hugging Face checkpoints
+             the decoder blocks only)
   The 34 assumes fused kernels: it holds for the compiled step (torch.compile, the trainer's default on
   GPU). An eager Hugging Face block under autocast keeps far more: the residual stream and LayerNorm
   inputs in fp32, tanh-GELU's intermediates in fp32 (pow/tanh autocast to fp32), about 88 sbh counted
   op by op for GPT-2; we use ACT_PER_LAYER_EAGER = 90 when the step is not compiled, and under
   DeepSpeed, which hpcgpu runs uncompiled (there bf16 weights keep the residual in bf16: a bound).
+  FSDP rows take the coefficient as DDP's do: 34 where the step is compiled (ModelDims.compiled), else 90.
   Estimate vs torch.cuda.max_memory_allocated, GPT-2 124M / 350M, micro 8, seq 1024, accumulation 2:
   hpcgpu's trainer, compiled, H200: +6.4% / -5.4% (tests/gpu/test_gpu_layer.py); a plain loop on an
   H100 (benchmarks/estimate_vs_measured.py): compiled +19% / -5%, eager -7% / -3% (90 was fitted to
@@ -41,7 +54,7 @@ A GPU's usable memory is its total less the CUDA context and allocator slack (US
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcgpu.errors import HpcgpuError, SpecError
@@ -84,17 +97,38 @@ class ModelDims:
     seq_len: int
     largest_param: int  # the biggest single tensor (usually the embedding): ZeRO-3 gathers it whole
     flash_attention: bool = True  # SDPA/flash: no stored s x s attention matrix
-    compiled: bool = True  # torch.compile under DDP (train.compile: auto on a GPU); DeepSpeed runs eager
+    compiled: bool = True  # torch.compile under DDP or FSDP (train.compile: auto on a GPU); DeepSpeed runs eager
     fused_loss: bool = False  # train.fused_loss: no logits held (module docstring)
+    layer_params: int = 0  # one decoder block's parameters (FSDP gathers block by block); 0: not known
+
+
+def block_params(d: ModelDims) -> int:
+    """One decoder block's parameters; where the config did not say, ZeRO-3's reading: all but the
+    largest tensor spread evenly over the layers."""
+    return d.layer_params or (d.n_params - d.largest_param) // max(1, d.n_layers)
+
+
+def root_params(d: ModelDims) -> int:
+    """The parameters outside the blocks (embeddings, final norm, untied head): FSDP's root unit."""
+    if not d.layer_params:
+        return d.largest_param
+    return max(0, d.n_params - d.n_layers * d.layer_params)
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
-    zero_stage: int | None  # None: DDP (or a single process)
+    zero_stage: int | None  # None: DDP (or a single process), or FSDP
     offload_optimizer: bool = False
     offload_params: bool = False
     checkpointing: bool = False  # gradient checkpointing: layer inputs kept, activations recomputed
+    fsdp: bool = False  # PyTorch FSDP2 (zero_stage None); cpu_offload: both offload flags on
+    reshard_after_forward: bool = True  # FSDP only: false keeps each block's gathered weights to its backward
+
+    @property
+    def bf16_weights(self) -> bool:
+        """The blocks compute with bf16 weights (DeepSpeed's, FSDP's gathered ones): a bf16 residual stream."""
+        return self.zero_stage is not None or self.fsdp
 
     @property
     def offload(self) -> str:
@@ -102,24 +136,40 @@ class Strategy:
 
 
 def plan_strategy(zero_stage: int | None, offload_optimizer: bool = False, offload_params: bool = False,
-                  checkpointing: bool = False) -> Strategy:
-    """The Strategy (row of `hpcgpu estimate`) a run plan's settings make."""
-    base = DDP if zero_stage is None else next(
-        (s for s in STRATEGIES if (s.zero_stage, s.offload_optimizer, s.offload_params) ==
-         (zero_stage, offload_optimizer, offload_params)),
-        Strategy(f"zero{zero_stage}", zero_stage, offload_optimizer, offload_params))
+                  checkpointing: bool = False, fsdp: bool = False, reshard_after_forward: bool = True) -> Strategy:
+    """The Strategy (row of `hpcgpu estimate`) a run plan's settings make. fsdp: FSDP2, offloaded to
+    the CPU (cpu_offload) where either offload flag is on; reshard_after_forward: its key of that name."""
+    if fsdp:
+        if zero_stage is not None:  # two strategies at once: a caller's mistake, not a spec's
+            raise ValueError(f"plan_strategy: fsdp has no ZeRO stage (got {zero_stage})")
+        base = fsdp_strategy(offload_optimizer or offload_params, reshard_after_forward)
+    elif zero_stage is None:
+        base = DDP
+    else:
+        base = next((s for s in STRATEGIES if not s.fsdp and (s.zero_stage, s.offload_optimizer, s.offload_params)
+                     == (zero_stage, offload_optimizer, offload_params)),
+                    Strategy(f"zero{zero_stage}", zero_stage, offload_optimizer, offload_params))
     return with_checkpointing(base) if checkpointing else base
+
+
+def fsdp_strategy(cpu_offload: bool = False, reshard_after_forward: bool = True) -> Strategy:
+    """FSDP2 as distributed.fsdp sets it: fsdp, fsdp+offload, fsdp+no-reshard, fsdp+no-reshard+offload."""
+    name = "fsdp" + ("" if reshard_after_forward else "+no-reshard") + ("+offload" if cpu_offload else "")
+    return Strategy(name, None, cpu_offload, cpu_offload, fsdp=True, reshard_after_forward=reshard_after_forward)
 
 
 def with_checkpointing(st: Strategy) -> Strategy:
     """The same strategy with gradient checkpointing (named `<name>+ckpt`)."""
-    return Strategy(f"{st.name}+ckpt", st.zero_stage, st.offload_optimizer, st.offload_params, checkpointing=True)
+    return replace(st, name=f"{st.name}+ckpt", checkpointing=True)
 
 
 DDP = Strategy("ddp", None)
+# the rows `hpcgpu estimate` prints; gpu/recommend.py's ladder names the ones distributed.strategy: auto
+# may choose, which are not the FSDP rows (that choice waits for a GPU benchmark)
 STRATEGIES: tuple[Strategy, ...] = (
     DDP, Strategy("zero1", 1), Strategy("zero2", 2), Strategy("zero2+offload", 2, True),
     Strategy("zero3", 3), Strategy("zero3+offload", 3, True), Strategy("zero3+offload-all", 3, True, True),
+    fsdp_strategy(), fsdp_strategy(cpu_offload=True),
 )
 
 
@@ -200,7 +250,7 @@ def dims_from_config(cfg: Any, seq_len: int, n_params: int | None = None, compil
     attn_impl = cfg_get(cfg, "_attn_implementation", "attn_implementation", default="sdpa")
     return ModelDims(n_params=int(n_params or total), n_layers=layers, hidden=h, heads=heads, vocab=vocab,
                      seq_len=seq_len, largest_param=max(embed, layer), flash_attention=attn_impl != "eager",
-                     compiled=compiled, fused_loss=fused_loss)
+                     compiled=compiled, fused_loss=fused_loss, layer_params=layer)
 
 
 def model_config(spec: Spec) -> Any:
@@ -443,7 +493,7 @@ def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP, lora: LoraDim
     coef = ACT_PER_LAYER if d.compiled and st.zero_stage is None else ACT_PER_LAYER_EAGER
     per_layer = s * b * h * coef + (0 if d.flash_attention else ATTN_SCORES * d.heads * s * s * b)
     logits = b * s * h * LOGITS_BYTES + 4 * d.vocab * h if d.fused_loss else b * s * d.vocab * LOGITS_BYTES
-    kept = CKPT_INPUT_BYTES_DDP if st.zero_stage is None else CKPT_INPUT_BYTES_ZERO
+    kept = CKPT_INPUT_BYTES_ZERO if st.bf16_weights else CKPT_INPUT_BYTES_DDP
     if lora is not None:
         keep = LORA_INPUT_BYTES + (LORA_MASK_BYTES if lora.dropout else 0)
         per_layer += s * b * lora.adapted_inputs * keep
@@ -474,6 +524,8 @@ def state_bytes(d: ModelDims, st: Strategy, world: int, lora: LoraDims | None = 
     if lora is not None:
         return lora_state_bytes(d, lora, st, world)
     p, n = d.n_params, max(1, world)
+    if st.fsdp:
+        return fsdp_state_bytes(d, st, n)
     if st.zero_stage is None:
         return 4 * p, 4 * p, 8 * p, (4 * p if n > 1 else 0) + 2 * p, 0
     buckets = 2 * 2 * min(p, ZERO_BUCKET_ELEMS)
@@ -488,6 +540,20 @@ def state_bytes(d: ModelDims, st: Strategy, world: int, lora: LoraDims | None = 
     if st.offload_optimizer:
         return 2 * p // n, 0, 0, gathered + buckets // 2, 16 * p // n
     return 2 * p // n, 2 * p // n, 12 * p // n, gathered + buckets // 2, 0
+
+
+def fsdp_state_bytes(d: ModelDims, st: Strategy, n: int) -> tuple[int, int, int, int, int]:
+    """(weights, grads, optimizer, buffers, host RAM) per rank under FSDP2 (module docstring): fp32
+    shards of 16 bytes a parameter, on the GPU or (cpu_offload) in host RAM, and the gathered working set."""
+    p, layer, root = d.n_params, block_params(d), root_params(d)
+    gathered_blocks = 2 if st.reshard_after_forward else d.n_layers  # computed + prefetched, or all of them
+    buffers = (2 * root  # the root's bf16 weights: gathered at its forward, kept to the end of the backward
+               + 2 * root  # their unsharded bf16 grads, from the head's backward to the root's reduce
+               + 2 * gathered_blocks * layer  # the blocks' bf16 weights
+               + 4 * layer)  # one block's unsharded grads, cast to fp32 for the reduce-scatter
+    if st.offload_params:
+        return 0, 0, 0, buffers, 16 * p // n
+    return 4 * p // n, 4 * p // n, 8 * p // n, buffers, 0
 
 
 def estimate(d: ModelDims, st: Strategy, micro: int, world: int, lora: LoraDims | None = None) -> MemoryEstimate:

@@ -9,7 +9,8 @@ costs one more forward per step (about 30% more compute) and nothing on the wire
 it comes before the next rung (DeepSpeed runs eager here; ZeRO-3 gathers every layer's weights in
 forward and backward; offload crosses PCIe and steps a CPU Adam), and after the plain rung, because
 a smaller micro batch with more accumulation costs less than recomputation: it is chosen only where
-no micro batch fits without it.
+no micro batch fits without it. FSDP is no rung: a spec's distributed.strategy: fsdp is estimated and
+kept, auto never chooses it (that waits for a GPU benchmark).
 
 With train.lora the base is frozen and whole on every rank: there is no ladder to climb, the
 micro batch and gradient checkpointing come from the LoRA/QLoRA estimate under DDP (ZeRO-1/2 when the
@@ -27,15 +28,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 from hpcgpu.gpu.estimate import (DDP, STRATEGIES, LoraDims, ModelDims, Strategy, dims_from_config, estimate,
-                                 fmt_bytes, max_micro_batch, spec_lora_dims, usable_bytes, with_checkpointing)
+                                 fmt_bytes, fsdp_strategy, max_micro_batch, spec_lora_dims, usable_bytes,
+                                 with_checkpointing)
 from hpcgpu.spec.derive import batch_split
 from hpcgpu.spec.schema import Lora
 
 if TYPE_CHECKING:
     from hpcgpu.spec import Spec
 
-# fastest first: ZeRO-3 on the GPU beats offloading the optimizer to a CPU Adam
-LADDER: tuple[Strategy, ...] = tuple(next(s for s in STRATEGIES if s.name == name) for name in
+# fastest first: ZeRO-3 on the GPU beats offloading the optimizer to a CPU Adam. No FSDP rung: auto
+# does not choose FSDP until a GPU benchmark says where it belongs (only a spec's strategy: fsdp does)
+LADDER: tuple[Strategy, ...] = tuple(next(s for s in STRATEGIES if s.name == name and not s.fsdp) for name in
                                      ("ddp", "zero2", "zero3", "zero2+offload", "zero3+offload", "zero3+offload-all"))
 CPU_MICRO_MAX = 8  # without GPU memory to go by: the trainer's old rule
 Checkpointing = Union[bool, str]  # train.gradient_checkpointing: True | False | "auto"
@@ -55,7 +58,7 @@ def with_checkpointing_rungs(rungs: tuple[Strategy, ...], checkpointing: Checkpo
 class Recommendation:
     micro_batch: int
     accum: int
-    strategy: str  # in spec words: none | ddp | deepspeed
+    strategy: str  # in spec words: none | ddp | fsdp | deepspeed
     zero_stage: int | None
     offload: str  # none | optimizer | params+optimizer
     reason: str
@@ -90,6 +93,8 @@ def loader_workers(cpus_per_gpu: int) -> int:
 
 
 def spec_strategy_name(st: Strategy, world: int) -> str:
+    if st.fsdp:
+        return "fsdp"
     if st.zero_stage is None:
         return "ddp" if world > 1 else "none"
     return "deepspeed"
@@ -157,6 +162,9 @@ def spec_strategy(spec: Spec) -> Strategy | None:
         return None
     if s in ("ddp", "none"):
         return DDP
+    if s == "fsdp":
+        fs = spec.distributed.fsdp
+        return fsdp_strategy(fs.cpu_offload, fs.reshard_after_forward)
     ds = spec.distributed.deepspeed
     return Strategy(f"zero{ds.zero_stage}", ds.zero_stage, ds.offload_optimizer or ds.offload_params,
                     ds.offload_params)
@@ -251,18 +259,18 @@ def method_recommendation(spec: Spec, m: Method, n_params: int | None, model_con
     step = compiled_step(spec) if compiled is None else compiled
     d = dims_from_config(model_config, spec.data.seq_len, n_params, step, spec.train.fused_loss is True)
     st = spec_strategy(spec)
-    if m.lora is not None and st is not None and st.zero_stage == 3:
-        st = None  # LoRA trains under DDP or ZeRO-1/2
+    if m.lora is not None and st is not None and (st.zero_stage == 3 or st.fsdp):
+        st = None  # LoRA trains under DDP or ZeRO-1/2: its model has a frozen base whole on every rank
     ck = spec_checkpointing(spec, m.lora) if m.lora is not None else spec.train.gradient_checkpointing
     return recommend(d, gpu_total, world, spec.train.global_batch_size, spec.resources.cpus_per_gpu,
                      strategy=st, checkpointing=ck, lora=m.lora)
 
 
 def lighter_method(methods: list[Method], recs: list[Recommendation]) -> str | None:
-    """One line where the spec's own way does not fit the GPU (or fits only by DeepSpeed's offload to
-    host RAM, a CPU Adam: slow) and a lighter one fits without offload: the first of those and, where it
-    is not the lightest, the lightest that fits too, each with the spec keys that choose it; None
-    otherwise (it fits, or there is no GPU memory to go by)."""
+    """One line where the spec's own way does not fit the GPU (or fits only by DeepSpeed's or FSDP's
+    offload to host RAM, a CPU Adam: slow) and a lighter one fits without offload: the first of those
+    and, where it is not the lightest, the lightest that fits too, each with the spec keys that choose
+    it; None otherwise (it fits, or there is no GPU memory to go by)."""
     own = next((i for i, m in enumerate(methods) if m.own), None)
     if own is None or recs[own].bytes_per_gpu is None or recs[own].fits and recs[own].offload == "none":
         return None
@@ -270,8 +278,9 @@ def lighter_method(methods: list[Method], recs: list[Recommendation]) -> str | N
     if not fitting:
         return None
     what = "full fine-tuning" if methods[own].lora is None else methods[own].name
+    offloader = "FSDP's" if recs[own].strategy == "fsdp" else "DeepSpeed's"
     head = f"{what} does not fit" if not recs[own].fits else \
-        f"{what} fits only by offloading to host RAM (DeepSpeed's CPU Adam: slow)"
+        f"{what} fits only by offloading to host RAM ({offloader} CPU Adam: slow)"
     picks = fitting[:1] + fitting[-1:] if len(fitting) > 1 else fitting
     said = [f"{m.name} {'does' if i == 0 else 'also fits'} ({fmt_bytes(rec.bytes_per_gpu)} per GPU at micro batch "
             f"{rec.micro_batch}" + (" with gradient checkpointing" if rec.checkpointing else "") + f"): add {m.keys}"

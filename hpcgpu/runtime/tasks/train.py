@@ -579,7 +579,8 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
     t = plan.training
     n_params, config = m.count_params(spec)
     d = m.dims_from_config(config, t.seq_len, n_params, t.compile, t.fused_loss)
-    st = m.plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing)
+    st = m.plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing,
+                         fsdp=t.strategy == "fsdp", reshard_after_forward=spec.distributed.fsdp.reshard_after_forward)
     lora = m.spec_lora_dims(spec, config) if spec.train.lora is not None else None  # the adapters' own figures
     e = m.estimate(d, st, t.micro_batch, plan.world_size, lora)
     text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {m.fmt_bytes(e.total)} per GPU "
