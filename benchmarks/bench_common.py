@@ -98,3 +98,15 @@ def train_model_config(model: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.vocab <= 50256:  # gpt2's bos/eos (50256) would lie outside the vocabulary
         cfg.update(bos_token_id=None, eos_token_id=None)
     return cfg
+
+
+def ratio_of_runs(results: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, Any] | None:
+    """Program a over program b: the ratio of their median tokens/s, and a/b within each round (runs
+    carry "round" and "tokens_per_s"); None where either has no run."""
+    ra, rb = results.get(a, []), results.get(b, [])
+    if not ra or not rb:
+        return None
+    med = statistics.median(r["tokens_per_s"] for r in ra) / statistics.median(r["tokens_per_s"] for r in rb)
+    by_round = {r["round"]: r["tokens_per_s"] for r in rb}
+    per_round = [r["tokens_per_s"] / by_round[r["round"]] for r in ra if r["round"] in by_round]
+    return {"of_medians": med, "per_round": per_round}

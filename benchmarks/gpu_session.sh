@@ -71,7 +71,18 @@
 #            20; ~130-160 s a run with a cold compile cache on an H200), then the memory table (full / LoRA / LoRA+gc / QLoRA, ~1.5 min) and hpcgpu's
 #            own peaks; the deadline stops between runs; $LORA_BENCH_FLAGS: more flags),
 #            lora (both; with 2+ GPUs overlapped: the rounds alone on GPU 0 and half the cores, the 1-GPU tests
-#            then the memory table on GPU 1 and the other cores, then the 2-GPU test)
+#            then the memory table on GPU 1 and the other cores, then the 2-GPU test),
+#            fsdp-tests (#36: tests/gpu/test_gpu_fsdp.py, 2 GPUs: a tiny Llama under fsdp against DDP's curve,
+#            stopped at 2 GPUs and resumed at 1 and at 2, model/ through from_pretrained; 6 short runs, ~2-2.5 min;
+#            $FSDP_TESTS_K: a pytest -k; runs kept in $FSDP_TEST_DIR, default /tmp/fsdp-tests),
+#            fsdp (#36: benchmarks/fsdp_bench.py, Llama-3.2-1B shape at 2 GPUs, seq 2048, micro 4, bf16, compile
+#            off for all: fsdp vs DeepSpeed ZeRO-3 vs DDP, $FSDP_ROUNDS interleaved rounds (default 3) of
+#            $FSDP_SECONDS s of steady state (default 20); the call's budget left is its deadline: a run's seconds
+#            are cut (to 10 at least) only where that completes one more round, and a run that would end past it
+#            is not started. A run is ~50-75 s of wall (start-up, 10 warm-up steps, the 5 GB final save), so one
+#            round needs ~3.5 min, two ~7.5, three ~11 (not one call); tok/s, rank 0's peak allocated and NVML's
+#            per GPU, fsdp/zero3 against 1.15 (deepspeed carried: .whl into /tmp/site); $FSDP_BENCH_FLAGS: more
+#            flags (--compile auto: as the plan decides; --strategies fsdp,fsdp-bf16,zero3,ddp))
 # The device machine has torch/transformers but not hpcgpu: PYTHONPATH points at this checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -188,6 +199,12 @@ run_step() {
           | tee "$OUT/lora_mem.log" | tail -20 )
       echo "=== waiting for the rounds on GPU 0"; wait "$bench"; echo "=== bench exit $?"; tail -45 "$OUT/lora_bench.log"
       LORA_TESTS_K=two_gpus LORA_TESTS_FITS=90 run_step lora-tests ;;
+    fsdp-tests) fits "${FSDP_TESTS_FITS:-170}" && HPCGPU_FSDP_TEST_DIR="${FSDP_TEST_DIR:-/tmp/fsdp-tests}" \
+        pytest_gpu tests/gpu/test_gpu_fsdp.py ${FSDP_TESTS_K:+-k "$FSDP_TESTS_K"} | tee -a "$OUT/gpu_tests.log" | tail -30 ;;
+    fsdp) fits "${FSDP_FITS:-200}" && mkdir -p /tmp/fsdp-bench && step python3 benchmarks/fsdp_bench.py --gpus 2 \
+        --rounds "${FSDP_ROUNDS:-3}" --seconds "${FSDP_SECONDS:-20}" --timeout 300 --work /tmp/fsdp-bench --json "$OUT/fsdp_bench.json" \
+        --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 15 )) ${FSDP_BENCH_FLAGS:-} 2>&1 | tee "$OUT/fsdp_bench.log" \
+        | tail -40 ;;
     mfu-gpt2) fits 300 && mfu_round gpt2-124m "${MFU_VARIANTS_GPT2-$MFU_GPT2_DEFAULT}" ;;
     mfu-llama) fits "${MFU_LLAMA_FITS:-480}" && mfu_round llama-1b "${MFU_VARIANTS_LLAMA-$MFU_LLAMA_DEFAULT}" --steps 150 --warmup 20 \
         --log-every 10 ;;

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import gpu_name, rotated, spread, train_model_config, work_dir
+from bench_common import ratio_of_runs, gpu_name, rotated, spread, train_model_config, work_dir
 from train_vs_loops import RunFailed, hpcgpu_timed, launch, on_sigterm, random_text, read_records, tail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -433,16 +433,6 @@ def hpcgpu_steps(args: argparse.Namespace, ms_per_step: float) -> int:
     return max(INTERVAL, int(math.ceil(want / INTERVAL)) * INTERVAL)
 
 
-def ratio_lines(results: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, Any] | None:
-    ra, rb = results.get(a, []), results.get(b, [])
-    if not ra or not rb:
-        return None
-    med = statistics.median(r["tokens_per_s"] for r in ra) / statistics.median(r["tokens_per_s"] for r in rb)
-    by_round = {r["round"]: r["tokens_per_s"] for r in rb}
-    per_round = [r["tokens_per_s"] / by_round[r["round"]] for r in ra if r["round"] in by_round]
-    return {"of_medians": med, "per_round": per_round}
-
-
 def report(args: argparse.Namespace, rep: dict[str, Any]) -> None:
     print(f"\n== LoRA r={args.r} on all-linear, Llama-3.2-1B shape, seq {args.seq_len}, micro {args.micro_batch}, "
           f"base {args.base_dtype}, {args.precision}, compile {'on' if args.compile else 'off'}; {rep['gpu']}, "
@@ -638,7 +628,7 @@ def main(argv: list[str]) -> int:
                 note(f"round {rnd} {program}: {r['tokens_per_s']:,.0f} tok/s, {r['ms_per_step']:.1f} ms/step, "
                      f"{r['timed_s']:.1f} s timed, peak {r.get('peak_mem_gib') or 0:.1f} GiB, wall {r['wall_s']:.0f} s")
                 for other in ("peft", "trainer"):
-                    ratio = ratio_lines(rep["throughput"], "hpcgpu", other)
+                    ratio = ratio_of_runs(rep["throughput"], "hpcgpu", other)
                     if ratio:
                         rep["ratios"][f"hpcgpu/{other}"] = ratio
                 save()

@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -41,17 +41,9 @@ BF16_ATOL = 0.05  # the largest |loss(2 GPUs) - loss(1 GPU)| of a step: bf16 sum
 BF16_MEAN = 0.02  # and the mean of those differences
 
 
-def work_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("HPCGPU_LORA_TEST_DIR")
-    if given:
-        Path(given).mkdir(parents=True, exist_ok=True)
-        return Path(given)
-    return tmp_path_factory.mktemp("lora")
-
-
 @pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return work_root(tmp_path_factory)
+def root(work_root: Callable[[str, str], Path]) -> Path:
+    return work_root("HPCGPU_LORA_TEST_DIR", "lora")
 
 
 @pytest.fixture(scope="module")

@@ -226,8 +226,8 @@ BAD = [
      [">= 1, got 0"], "steps: 0"),
     ("offload-needs-zero3", COMMAND + "distributed:\n  deepspeed:\n    offload_params: true\n",
      "distributed.deepspeed.offload_params", ["zero_stage: 3"], "offload_params"),
-    ("strategy-choice", COMMAND + "distributed:\n  strategy: fsdp\n", "distributed.strategy",
-     ["auto, ddp, deepspeed, none", "fsdp"], "strategy"),
+    ("strategy-choice", COMMAND + "distributed:\n  strategy: fsdp2\n", "distributed.strategy",
+     ["auto, ddp, fsdp, deepspeed, none", "fsdp2"], "strategy"),
     ("env-bad-name", COMMAND + "env:\n  1BAD: x\n", "env.1BAD", ["environment variable"], "1BAD"),
     # a secret's value in env: would be written into spec.yaml and job.sbatch
     ("env-token", COMMAND + "env:\n  WANDB_MODE: offline\n  HF_TOKEN: hf_abc\n", "env.HF_TOKEN",
