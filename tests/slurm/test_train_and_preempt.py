@@ -153,3 +153,25 @@ def test_plain_scancel_is_not_taken_for_a_preemption(slurm):
     info = wait_settled(slurm, job)  # no process of the job left: a requeue would show by now
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), info
     assert "the job is being cancelled; not requeuing" in slurm.job_output(run_dir, job)  # rank 0's decision
+
+
+def test_an_fsdp_run_preempted_on_slurm_goes_on_from_its_shards_bit_for_bit(slurm):
+    """distributed.strategy: fsdp under srun: the stop signal's checkpoint is sharded (each rank writes
+    its part), the requeued job loads it, and the run equals the uninterrupted one (CPU ranks, fp32)."""
+    doc = slurm.tiny_train(max_steps=60)
+    doc["model"]["config"]["n_layer"] = 2
+    doc["distributed"] = {"strategy": "fsdp"}
+    spec = slurm.write_spec(doc)
+    baseline = run_local(slurm, spec)
+
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    slurm.wait_for(lambda: len(slurm.loss_log(run_dir)) >= 10, timeout=180, what="10 logged steps")
+    subprocess.run(["scancel", "--signal=USR2", "--full", job], check=True)
+    info = slurm.wait(job, timeout=300, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    out = slurm.job_output(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
+    stop, resume = (r for r in slurm.metrics(run_dir) if r["kind"] in ("stop", "resume"))
+    assert resume["step"] == stop["step"] >= 10 and "fsdp: 2 block(s) and the root sharded over 2 rank(s)" in out
+    assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)
+    assert_same_weights(run_dir, baseline)
