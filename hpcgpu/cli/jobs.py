@@ -17,7 +17,7 @@ from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch.cancel import cancel as cancel_job
 from hpcgpu.launch.joblogs import RANK_LABEL, log_files
-from hpcgpu.launch.progress import last_progress
+from hpcgpu.launch.progress import last_progress, run_warnings
 from hpcgpu.launch.state import find_job, is_final, refresh
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
@@ -56,6 +56,7 @@ def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
         # only while it runs: a queued or ended job has no rate to go by
         "eta_s": round(eta) if (eta := progress.eta_s()) is not None and unit.state == "RUNNING" else None,
         "progress": progress.text(), "run_dir": unit.run_dir,
+        "warnings": run_warnings(unit.run_dir) if unit.run_dir else [],
     }
 
 
@@ -158,6 +159,8 @@ def print_job(view: dict[str, Any]) -> None:
         else:
             speed = f"  {view['tokens_per_s']:,.0f} tok/s" if view.get("tokens_per_s") else ""
             click.echo(f"{'step':<10}{step_cell(view)}  loss {fmt_loss(view['loss'])}{speed}{eta_text(view)}")
+        for text in view["warnings"]:
+            click.echo(f"{'warning':<10}{text}")
         for path in view["logs"]:
             click.echo(f"{'log':<10}{path}")
         return

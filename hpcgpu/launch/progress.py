@@ -64,6 +64,12 @@ def tail_records(run_dir: str | Path, tail_bytes: int = 65536) -> list[dict]:
     return out
 
 
+def run_warnings(run_dir: str | Path) -> list[str]:
+    """What the run warned of in metrics.jsonl (e.g. ranks that ran apart), each text once."""
+    texts = [r["text"] for r in tail_records(run_dir) if r.get("kind") == "warning" and isinstance(r.get("text"), str)]
+    return list(dict.fromkeys(texts))
+
+
 def stop_summary(run_dir: str | Path) -> str:
     """How a run that exited 75 stopped, from its last stop record: a train run stopped before its
     first step saved nothing (rerunning starts it, not resumes it)."""

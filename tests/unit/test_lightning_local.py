@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import submit_all, write_spec_file
+from conftest import job_env, submit_all, write_spec_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "frameworks" / "lightning"
 
@@ -53,6 +54,13 @@ def test_ranks_that_train_apart_are_reported(runs: dict) -> None:
     assert "completed" in out and "MEMBER" not in out, out
     warnings = [line for line in out.splitlines() if "did not form one job" in line]
     assert len(warnings) == 1 and "hpcgpu: warning: the 2 ranks" in warnings[0], out
+    # and `hpcgpu status` of the completed job says it too
+    job = out.split("job ", 1)[1].split()[0]
+    status = subprocess.run([sys.executable, "-m", "hpcgpu", "status", job], capture_output=True, text=True,
+                            timeout=60, env=job_env())
+    shown = [line for line in status.stdout.splitlines() if line.startswith("warning")]
+    assert "COMPLETED" in status.stdout and len(shown) == 1 and "the 2 ranks did not form one job" in shown[0], \
+        status.stdout + status.stderr
 
 
 def test_lightning_writes_into_the_run_dir_and_sees_the_world_size(runs: dict) -> None:

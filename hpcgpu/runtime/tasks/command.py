@@ -15,6 +15,7 @@ from typing import Callable
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, RunPaths
+from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.gpu.nvml import gpu_count
 from hpcgpu.runtime.diagnostics import print_startup_line
 from hpcgpu.runtime.early import early_signal, release_others
@@ -130,7 +131,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
             signal.signal(s, handler)
     code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
     if rendezvous is not None and code == 0 and not received and not rendezvous.seen:
-        print(f"hpcgpu: warning: {rendezvous.lone_runs_text()}", file=sys.stderr, flush=True)
+        report_lone_runs(rendezvous.lone_runs_text(), paths)
     if not told_to_stop:
         # the program ended on its own (a crash is this rank's failure, recorded as such) even where
         # srun's teardown of the step reached this wrapper a moment later
@@ -139,6 +140,14 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
     note = StopNote({}, f"the program exited with code {code} after the stop signal")
     return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
+
+
+def report_lone_runs(text: str, paths: RunPaths) -> None:
+    """In the log, and in metrics.jsonl for `hpcgpu status`: the job itself completed."""
+    print(f"hpcgpu: warning: {text}", file=sys.stderr, flush=True)
+    metrics = MetricsWriter(paths.metrics)
+    metrics.write("warning", text=text)
+    metrics.close()
 
 
 def launcher_signals_the_program(env: DistEnv) -> bool:
