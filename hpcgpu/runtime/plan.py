@@ -436,15 +436,15 @@ def check_recorded(plan: RunPlan, source: Path, spec: Spec, world: int) -> None:
 
 
 def _check_recorded_strategy(t: TrainPlan, spec: Spec, world: int, refuse: Callable[..., HpcgpuError]) -> None:
-    """A strategy the spec now fixes must be the recorded one (DeepSpeed: with its stage and offload)."""
+    """A strategy the spec now fixes must be the recorded one (DeepSpeed: with its stage and offload;
+    fsdp: with its offload)."""
     fixed = fixed_strategy(spec, world)
-    ds = spec.distributed.deepspeed
-    if fixed is not None and (fixed != width_strategy(t.strategy, world) or fixed == "deepspeed" and (
-            spec_deepspeed(spec) != (t.zero_stage, t.offload_optimizer, t.offload_params))):
-        now = fixed if fixed != "deepspeed" else (
-            f"deepspeed ZeRO-{ds.zero_stage}" + (" offload optimizer" if ds.offload_optimizer else "")
-            + (" offload params" if ds.offload_params else ""))
-        raise refuse("strategy", t.how(), f"the spec now fixes {now}", f"use distributed.strategy: auto or {t.how()}")
+    if fixed is None:
+        return
+    stage, off_opt, off_params = zero_settings(spec, fixed, True, None)
+    now = dataclasses.replace(t, strategy=fixed, zero_stage=stage, offload_optimizer=off_opt, offload_params=off_params)
+    if now.how() != dataclasses.replace(t, strategy=width_strategy(t.strategy, world)).how():
+        raise refuse("strategy", t.how(), f"the spec now fixes {now.how()}", f"use distributed.strategy: auto or {t.how()}")
 
 
 def _check_recorded_steps(t: TrainPlan, spec: Spec, refuse: Callable[..., HpcgpuError]) -> None:

@@ -62,6 +62,11 @@ def test_a_recorded_plan_the_job_cannot_honour_names_both() -> None:
     ds["distributed"] = {"strategy": "deepspeed"}
     with pytest.raises(HpcgpuError, match=r"strategy ddp but the spec now fixes deepspeed ZeRO-2"):
         check_recorded(plan, src, spec_from_raw(ds), 2)
+    fsdp = replace(plan, train=replace(plan.training, strategy="fsdp"))
+    check_recorded(fsdp, src, spec_from_raw({**tiny(), "distributed": {"strategy": "fsdp"}}), 1)  # any width
+    offload = {**tiny(), "distributed": {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}}
+    with pytest.raises(HpcgpuError, match=r"strategy fsdp but the spec now fixes fsdp offload"):
+        check_recorded(fsdp, src, spec_from_raw(offload), 2)
     # auto in the spec: whatever was recorded is kept (here a DeepSpeed plan on a ddp-looking job)
     zero3 = replace(plan, train=replace(plan.training, strategy="deepspeed", zero_stage=3, micro_batch=1, accum=4))
     check_recorded(zero3, src, spec_from_raw(tiny()), 2)
