@@ -281,10 +281,9 @@ def allreduce_here(n: int, quick: bool) -> list[Check]:
     import tempfile
 
     from hpcgpu.contract import ENV_RUN_DIR
+    from hpcgpu.launch.local import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="hpcgpu-doctor-") as tmp:
         procs = []
         for rank in range(n):

@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterator
 
 from hpcgpu.contract import (EXIT_HUNG, FAILURES_DIR, PROGRESS_ALIVE_S, Failure, record_failure,
                              reserve_failure_record, reserve_path)
-from hpcgpu.contract import stalled_peer  # noqa: F401  (moved to the contract: the local executor reads it too)
 
 CHECK_S = 5.0  # how often the thread looks (and rewrites the progress file: shared filesystems)
 FLOOR_S = 300.0  # the derived limit is never shorter

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from hpcgpu.runtime import watchdog
-from hpcgpu.runtime.watchdog import Watchdog, stalled_peer, where
+from hpcgpu.contract import stalled_peer
+from hpcgpu.runtime.watchdog import Watchdog, where
 
 
 def test_an_explicit_limit_applies_at_once_and_a_derived_one_after_the_pace_is_known(tmp_path: Path) -> None:
