@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -116,9 +114,8 @@ def load_adapter(base: Any, adapter: str, merge: bool) -> Any:
 def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path) -> None:
     """merged/: the base with the adapters merged in, in the base's own dtype. A saved base is loaded
     again from its folder (never merged from 4-bit weights); a model.config base is this run's, in memory."""
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    from hpcgpu.runtime.model import folder_written_whole  # model.py imports this module for load_adapter
+
     if spec.model.name_or_path:
         from transformers import AutoModelForCausalLM
 
@@ -126,7 +123,5 @@ def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path) -> N
         merged = load_adapter(base, str(adapter_dir), merge=True)
     else:
         merged = peft_model.merge_and_unload()
-    merged.save_pretrained(tmp, safe_serialization=True)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with folder_written_whole(out) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)

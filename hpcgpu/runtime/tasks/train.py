@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import random
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from hpcgpu.runtime.fsdp_strategy import full_state_dict
 from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.lora import add_adapters, prepare_quantized, trainable_count, write_merged
-from hpcgpu.runtime.model import build_model, load_quantized
+from hpcgpu.runtime.model import build_model, folder_written_whole, load_quantized
 from hpcgpu.runtime.plan import RunPlan, halved_micro, lora_text, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.requeue import mark_finished
@@ -796,16 +795,11 @@ def save_final_model(ctx: Context, tr: Trainer) -> Path:
     if tr.strategy == "fsdp":
         state_dict = full_state_dict(tr.raw_model)  # collective; rank 0 holds it
     if ctx.is_main:
-        tmp = ctx.run_dir / "model.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        # with LoRA: the adapter folder (adapter_config.json, adapter_model.safetensors) peft loads on its base
-        tr.raw_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        if hasattr(tr.tokenizer, "save_pretrained"):
-            tr.tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        with folder_written_whole(out) as tmp:
+            # with LoRA: the adapter folder (adapter_config.json, adapter_model.safetensors) peft loads on its base
+            tr.raw_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            if hasattr(tr.tokenizer, "save_pretrained"):
+                tr.tokenizer.save_pretrained(tmp)
         log.info(f"saved the final {'LoRA adapter' if lora else 'model'} to {out}")
         if lora and tr.spec.train.merge:
             write_merged(tr.spec, tr.raw_model, out, ctx.run_dir / "merged")
