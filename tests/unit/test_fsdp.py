@@ -132,3 +132,18 @@ def test_what_fsdp_cannot_run_with_is_one_line(tmp_path: Path, more: dict, key: 
                           timeout=60, env=job_env())
     assert proc.returncode == 2 and key in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_blocks_are_the_models_own_unit_and_cpu_offload_needs_gpus() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcgpu.errors import HpcgpuError
+    from hpcgpu.runtime.fsdp_strategy import fsdp_kwargs, transformer_blocks
+    from hpcgpu.spec.schema import Fsdp
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TWO_BLOCKS))
+    assert [type(b).__name__ for b in transformer_blocks(gpt2)] == ["GPT2Block", "GPT2Block"]
+    mine = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(3)))
+    assert len(transformer_blocks(mine)) == 3  # a model of yours: each entry of its ModuleLists
+    with pytest.raises(HpcgpuError, match="distributed.fsdp.cpu_offload: the ranks run on CPUs already"):
+        fsdp_kwargs(Fsdp(cpu_offload=True), "fp32", torch.device("cpu"))
