@@ -109,7 +109,8 @@ def test_estimate_table_for_gpt2_on_80g(tmp_path):
     assert "124.44M parameters (gpt2: 12 layers, hidden 768, 12 heads, vocab 50257)" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()[0] != "why:"
             and "GiB" in line}
-    assert set(rows) == {"ddp", "zero1", "zero2", "zero2+offload", "zero3", "zero3+offload", "zero3+offload-all"}
+    assert set(rows) == {"ddp", "zero1", "zero2", "zero2+offload", "zero3", "zero3+offload", "zero3+offload-all",
+                         "fsdp", "fsdp+offload"}
     assert rows["ddp"].split()[1:3] == ["0.5", "GiB"] and " yes " in rows["ddp"]
     assert "recommended: ddp, micro batch 8 x accum 4" in out
 
