@@ -6,14 +6,16 @@ exit codes, the HPCGPU_* variables a launcher sets for a rank, the failure recor
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 FAILURES_DIR = "failures"  # <run dir>/failures/<attempt>.rank-<N>.json, one per rank that failed
 
@@ -56,6 +58,19 @@ LAUNCHER_OWNED_ENV = frozenset({
 
 def launcher_owned(name: str) -> bool:
     return name in LAUNCHER_OWNED_ENV or name.startswith("SLURM_")
+
+
+@contextlib.contextmanager
+def folder_written_whole(out: Path) -> Iterator[Path]:
+    """Write a folder (a model) under `<out>.tmp`, renamed to `out` (the old one replaced) once complete:
+    a folder under its final name is whole, even where the job was stopped while writing it."""
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    yield tmp
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from hpcgpu.contract import folder_written_whole
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.spec import Spec
 from hpcgpu.spec.schema import Lora
@@ -114,8 +115,6 @@ def load_adapter(base: Any, adapter: str, merge: bool) -> Any:
 def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path) -> None:
     """merged/: the base with the adapters merged in, in the base's own dtype. A saved base is loaded
     again from its folder (never merged from 4-bit weights); a model.config base is this run's, in memory."""
-    from hpcgpu.runtime.model import folder_written_whole  # model.py imports this module for load_adapter
-
     if spec.model.name_or_path:
         from transformers import AutoModelForCausalLM
 

@@ -3,10 +3,7 @@ model.name_or_path (from_pretrained of a local dir, or a hub id from the local c
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -256,15 +253,3 @@ def compact_names(names: list[str]) -> str:
         out.append(f"{run[0]}{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
     return ", ".join(out)
 
-
-@contextlib.contextmanager
-def folder_written_whole(out: Path) -> Iterator[Path]:
-    """Write a model folder under `<out>.tmp`, renamed to `out` (the old one replaced) once complete: a job
-    stopped while writing never leaves a half-written folder under the final name."""
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    yield tmp
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcgpu.contract import RunPaths, is_finished
+from hpcgpu.contract import RunPaths, folder_written_whole, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu import estimate as memory_estimate
 from hpcgpu.gpu.monitor import GpuMonitor
@@ -52,7 +52,7 @@ from hpcgpu.runtime.fsdp_strategy import full_state_dict
 from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.lora import add_adapters, prepare_quantized, trainable_count, write_merged
-from hpcgpu.runtime.model import build_model, folder_written_whole, load_quantized
+from hpcgpu.runtime.model import build_model, load_quantized
 from hpcgpu.runtime.plan import RunPlan, halved_micro, lora_text, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.requeue import mark_finished
