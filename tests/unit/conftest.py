@@ -152,6 +152,11 @@ def train_records(run_dir: Path) -> list[dict]:
     return out
 
 
+def step_losses(run_dir: Path) -> dict[int, float]:
+    """Each logged step's loss, by step."""
+    return {r["step"]: r["loss"] for r in train_records(run_dir)}
+
+
 def rank_processes(marker: str) -> list[psutil.Process]:
     """Live `hpcgpu run` processes whose spec path contains `marker` (a tmp folder of one test)."""
     found = []

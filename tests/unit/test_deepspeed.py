@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import step_losses
+
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 
@@ -51,11 +53,6 @@ def final_eval(run_dir: Path) -> float:
     return [r["loss"] for r in recs if r["kind"] == "eval"][-1]
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
-
-
 def weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -85,7 +82,7 @@ def zero_runs(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("key", ["2", "3", "2o", "3o"])
 def test_zero_trains_and_exports_a_plain_model(zero_runs, key, plain_model_vocab):
     run_dir = zero_runs[key]
-    log = losses(run_dir)
+    log = step_losses(run_dir)
     assert sorted(log) == list(range(1, STEPS + 1))
     assert log[1] == pytest.approx(5.545, abs=0.1)  # ~ln(256): weights initialised right under ZeRO-3 too
     assert log[STEPS] < log[1] - 0.3
@@ -96,7 +93,7 @@ def test_zero_trains_and_exports_a_plain_model(zero_runs, key, plain_model_vocab
 def test_zero2_follows_the_ddp_loss_curve(zero_runs, ddp_run):
     """Same global batch, seed and data order: ZeRO-2 partitions optimizer state and gradients but
     computes the same update, so the curves agree to float round-off (tolerance 1e-4 relative)."""
-    z, d = losses(zero_runs["2"]), losses(ddp_run)
+    z, d = step_losses(zero_runs["2"]), step_losses(ddp_run)
     assert z.keys() == d.keys()
     for step in z:
         assert z[step] == pytest.approx(d[step], rel=1e-4), step
@@ -116,7 +113,7 @@ def test_preempt_and_resume_reproduces_the_uninterrupted_run(tmp_path, zero_runs
     assert second.returncode == 0, second.stderr[-3000:]
     assert again == run_dir
     baseline = zero_runs[str(stage)]
-    assert losses(run_dir) == losses(baseline)
+    assert step_losses(run_dir) == step_losses(baseline)
     a, b = weights(run_dir), weights(baseline)
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
@@ -181,7 +178,7 @@ def test_the_same_spec_scaled_down_to_one_gpu_runs(tmp_path, ddp_run, strategy):
     group) and, with the same global batch, follows the 2-rank DDP loss curve."""
     proc, run_dir = submit(tmp_path, doc(tmp_path / "runs", strategy=strategy), "--new", "--gpus", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = losses(run_dir), losses(ddp_run)
+    one, two = step_losses(run_dir), step_losses(ddp_run)
     assert one.keys() == two.keys()
     for step in one:
         assert one[step] == pytest.approx(two[step], rel=1e-4), step
@@ -207,6 +204,6 @@ def test_lora_under_zero2_follows_ddp_and_resumes_from_a_checkpoint_without_the_
     assert module and all("lora_" in k or k.endswith("lm_head.weight") for k in module), list(module)
     second, again = submit(tmp_path / "z2", spec)
     assert second.returncode == 0 and again == run_dir, second.stderr[-3000:]
-    z, d = losses(run_dir), losses(ddp_dir)
+    z, d = step_losses(run_dir), step_losses(ddp_dir)
     assert z.keys() == d.keys() and all(z[s] == pytest.approx(d[s], rel=1e-4) for s in z), (z, d)
     assert (run_dir / "model" / "adapter_config.json").is_file()

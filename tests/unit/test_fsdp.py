@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import TINY_GPT2, job_env, merge, submit, submit_all, train_spec, write_spec_file
+from conftest import TINY_GPT2, job_env, merge, only_run_dir, step_losses, submit, submit_all, train_spec, write_spec_file
 
 STEPS = 8
 TWO_BLOCKS = {**TINY_GPT2, "n_layer": 2}  # sharded block by block: two blocks and the root
@@ -23,16 +23,6 @@ def fsdp_spec(strategy: str = "fsdp", **more: object) -> dict:
                             distributed={"strategy": strategy}), more)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
-
-
-def only_run(folder: Path) -> Path:
-    (run_dir,) = (folder / "runs").glob("*/*")
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The same spec under ddp and fsdp at 2 ranks, run to the end side by side."""
@@ -41,13 +31,13 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     done = submit_all(jobs)
     for name, proc in done.items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    return {name: only_run(root / name) for name in jobs}
+    return {name: only_run_dir(root / name / "runs", "shard") for name in jobs}
 
 
 def test_two_fsdp_ranks_follow_the_ddp_curve_and_leave_a_model_that_loads(uninterrupted: dict[str, Path]) -> None:
     fsdp, ddp = uninterrupted["fsdp"], uninterrupted["ddp"]
     assert json.loads((fsdp / "plan.json").read_text())["train"]["strategy"] == "fsdp"
-    got, want = losses(fsdp), losses(ddp)
+    got, want = step_losses(fsdp), step_losses(ddp)
     assert got.keys() == want.keys() == set(range(1, STEPS + 1))
     for step in want:  # one fp32 arithmetic; a reduce-scatter sums the gradients in another grouping
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
@@ -67,7 +57,7 @@ def test_a_stopped_fsdp_run_resumes_from_its_shards(tmp_path: Path, uninterrupte
     spec = write_spec_file(tmp_path, fsdp_spec())
     stopped = submit(spec, "--gpus", "2", env=job_env(HPCGPU_SIGNAL_AT="3"))
     assert stopped.returncode == 75, stopped.stderr[-3000:]
-    run_dir = only_run(tmp_path)
+    run_dir = only_run_dir(tmp_path / "runs", "shard")
     (step_dir,) = (run_dir / "checkpoints").glob("step-*")
     (meta,) = step_dir.rglob(".metadata")
     saved = FileSystemReader(str(meta.parent)).read_metadata().state_dict_metadata
@@ -77,7 +67,7 @@ def test_a_stopped_fsdp_run_resumes_from_its_shards(tmp_path: Path, uninterrupte
     assert again.returncode == 0, again.stderr[-3000:]
     if after == 1:
         assert "from step 4 at 1 GPUs (it ran at 2; the global batch stays 8)" in again.stderr, again.stderr[-2000:]
-    got, want = losses(run_dir), losses(uninterrupted["fsdp"])
+    got, want = step_losses(run_dir), step_losses(uninterrupted["fsdp"])
     assert got.keys() == want.keys()
     for step in want:
         if after == 2:
@@ -114,7 +104,7 @@ def test_ctx_prepare_shards_a_users_model_and_its_optimizer_steps_the_shards(tmp
            "train": {"precision": "fp32"}}
     proc = submit(write_spec_file(tmp_path, doc))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    logs = "".join(p.read_text() for p in only_run(tmp_path).glob("logs/*"))
+    logs = "".join(p.read_text() for p in only_run_dir(tmp_path / "runs", "own").glob("logs/*"))
     results = sorted(line.split("RESULT ", 1)[1] for line in logs.splitlines() if "RESULT " in line)
     # every parameter a shard (DTensor), and the optimizer made before ctx.prepare steps them: the loss falls
     assert results == ["0 ['DTensor'] True", "1 ['DTensor'] True"], proc.stderr[-3000:]

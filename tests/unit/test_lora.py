@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import TINY_GPT2, job_env, merge, submit, submit_all, train_spec, write_spec_file
+from conftest import TINY_GPT2, job_env, merge, step_losses, submit, submit_all, train_spec, write_spec_file
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
@@ -22,11 +22,6 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
 def lora_spec(name: str, **extra: Any) -> dict:
     return train_spec(name, model={"config": dict(WIDER_GPT2)},
                       train=merge({"lora": dict(LORA), "max_steps": 6, "lr": 1e-2, "warmup_steps": 1}, extra))
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
 
 
 def run_dir_of(folder: Path) -> Path:
@@ -74,17 +69,17 @@ def adapter(run_dir: Path) -> dict:
 
 
 def test_lora_learns_and_ranks_do_not_change_the_curve(runs: dict) -> None:
-    two, one = losses(runs["lora2"]), losses(runs["lora1"])
+    two, one = step_losses(runs["lora2"]), step_losses(runs["lora1"])
     assert two[6] < two[1] - 0.05, two
     assert two.keys() == one.keys() and all(one[s] == pytest.approx(two[s], rel=1e-5) for s in two), (one, two)
-    llama = losses(runs["llama"])
+    llama = step_losses(runs["llama"])
     assert llama[6] < llama[1], llama
     plan = json.loads((runs["lora2"] / "plan.json").read_text())
     assert plan["train"]["adapter"]["r"] == 4 and plan["train"]["adapter"]["base"]["seed"] == 1
 
 
 def test_a_preempted_lora_run_resumes_bitwise_from_a_small_checkpoint(runs: dict) -> None:
-    assert losses(runs["resumed"]) == losses(runs["lora2"])
+    assert step_losses(runs["resumed"]) == step_losses(runs["lora2"])
     a, b = adapter(runs["resumed"]), adapter(runs["lora2"])
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     # the checkpoint holds the adapters and their optimizer state, not the frozen base
@@ -218,7 +213,7 @@ def test_the_shipped_lora_chat_config_fine_tunes_a_saved_base(tmp_path: Path) ->
     proc = submit(path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = run_dir_of(tmp_path)
-    curve = losses(run_dir)
+    curve = step_losses(run_dir)
     assert curve[8] < curve[1], curve
     base = json.loads((run_dir / "plan.json").read_text())["train"]["adapter"]["base"]
     assert base["name_or_path"] == str(base_dir) and len(base["sha256"]) == 16

@@ -8,19 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import job_env, submit, train_spec, write_spec_file
+from conftest import job_env, only_run_dir, step_losses, submit, train_spec, write_spec_file
 
 STEPS = 8
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
-
-
-def only_run(folder: Path) -> Path:
-    (run_dir,) = (folder / "runs").glob("*/*")
-    return run_dir
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
@@ -33,7 +23,7 @@ def test_a_stopped_run_goes_on_at_another_width_on_the_same_curve(tmp_path: Path
         assert bad.returncode == 2 and "not divisible by the 3 ranks" in bad.stderr, bad.stderr[-2000:]
     again = submit(spec, "--gpus", str(after))
     assert again.returncode == 0, again.stderr[-3000:]
-    run_dir = only_run(tmp_path)
+    run_dir = only_run_dir(tmp_path / "runs", "width")
     assert (f"resuming the unfinished run {run_dir} from step 4 at {after} GPUs (it ran at {before}; the global "
             "batch stays 8)") in again.stderr, again.stderr[-2000:]
     plan = json.loads((run_dir / "plan.json").read_text())
@@ -42,7 +32,7 @@ def test_a_stopped_run_goes_on_at_another_width_on_the_same_curve(tmp_path: Path
     baseline = tmp_path / "baseline"
     base = submit(write_spec_file(baseline, train_spec("width", train={"max_steps": STEPS})), "--gpus", "2")
     assert base.returncode == 0, base.stderr[-3000:]
-    got, want = losses(run_dir), losses(only_run(baseline))
+    got, want = step_losses(run_dir), step_losses(only_run_dir(baseline / "runs", "width"))
     assert got.keys() == want.keys() == set(range(1, STEPS + 1))
     for step in want:  # the same global batches in the same order; only the sums' grouping differs
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
