@@ -50,9 +50,11 @@ class FusedLossLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        body: Any = self.lm.base_model
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        head: Any = self.lm.get_output_embeddings()
+        # under train.lora the LM is peft's PeftModel, whose base_model is the adapted causal LM, not its body
+        inner: Any = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        hidden = inner.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state
+        head: Any = inner.get_output_embeddings()
         h = hidden[:, :-1, :].reshape(-1, hidden.shape[-1])
         targets = labels[:, 1:].reshape(-1).to(h.device)
         total = self.sum_loss(head.weight, h, targets, head.bias)

@@ -480,7 +480,7 @@ class SlotEngine:
             self.hist[:, i] = nxt
             self.tokens.copy_(nxt)
             self.pos.add_(1).clamp_(max=self.pos_cap)
-            self.col.add_(1).clamp_(max=width - 1)
+            self.col.add_(1).clamp_(max=self.s.width - 1)  # not the view's: the next step may take a wider one
 
     def _logits(self, tokens: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens[:, None], position_ids=pos[:, None], attention_mask=mask, use_cache=True,

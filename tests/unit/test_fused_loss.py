@@ -102,3 +102,23 @@ def test_the_wrapper_gives_hugging_faces_loss_and_gradients(config: dict) -> Non
         assert torch.allclose(p.grad, want[name], rtol=1e-4, atol=1e-6), name
     nothing = torch.full_like(ids, IGNORE)
     assert FusedLossLM(lm, torch_sum_loss)(ids, nothing).item() == 0.0  # as causal_lm_loss: 0, not NaN
+
+
+def test_the_wrapper_takes_a_peft_model_and_trains_only_its_adapters() -> None:
+    """train.fused_loss with train.lora: the wrapped LM is peft's PeftModel (its base_model is the causal LM,
+    not the body); the loss is Hugging Face's and only the adapters get gradients."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_LLAMA)
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    peft_lm = get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+    ids = torch.randint(0, 256, (2, 16))
+    expected = peft_lm(input_ids=ids, labels=ids).loss
+    got = FusedLossLM(peft_lm, torch_sum_loss)(ids, ids)
+    got.backward()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    grads = {n for n, p in peft_lm.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)

@@ -182,9 +182,12 @@ def test_refill_off_takes_new_rows_only_when_every_slot_is_free() -> None:
     assert fills == [4] * (ROWS // 4)  # fixed batches of 4
 
 
-def test_flex_block_masks_give_generates_tokens() -> None:
-    """The flex_attention path (what a GPU compiles): each slot reads its own live blocks, rows of mixed
-    lengths refilling 5 slots, against model.generate row by row (flex_attention's reference, on the CPU)."""
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_rows_past_one_block_give_generates_tokens(attention: str) -> None:
+    """Rows longer than one 64-column block, refilling 5 slots, against model.generate row by row. flex:
+    each slot reads its own live blocks (flex_attention's reference on the CPU; a GPU compiles it). sdpa:
+    the steps move from the narrow view width to the wide one as rows grow (a row's column once stuck
+    at the narrow view's last one, overwriting its keys: wrong tokens)."""
     from dataclasses import replace
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -199,6 +202,7 @@ def test_flex_block_masks_give_generates_tokens() -> None:
     ids = [x * 2 for x in ids]  # rows past one 64-column block
     sp = spec()
     runner = SlotRunner(sp, model, Codec(ByteTokenizer(), "tiny"), ids, rows, torch.device("cpu"), slots=5)
-    runner.engine = SlotEngine(model, torch.device("cpu"), ids, replace(runner.engine.s, attention="flex"))
-    assert runner.engine.mode == "flex", runner.engine.mode_why
+    runner.engine = SlotEngine(model, torch.device("cpu"), ids, replace(runner.engine.s, attention=attention))
+    assert runner.engine.mode == attention, runner.engine.mode_why
+    assert attention == "flex" or len(runner.engine.widths) >= 2
     assert run(runner, ids) == reference(sp, model, ids, rows)
