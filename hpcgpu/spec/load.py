@@ -251,6 +251,7 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     _check_batch(spec, lines)
     _check_train_keys(spec, lines)
     _check_fsdp(spec, lines)
+    _check_fused_lora(spec, lines)
 
 
 def _check_task_needs(spec: Spec, lines: LineMap, *, need_data: bool) -> None:
@@ -384,6 +385,17 @@ def _check_fsdp(spec: Spec, lines: LineMap) -> None:
         raise lines.error("train.compile_mode", f"{t.compile_mode} captures CUDA graphs, which the collectives "
                           "distributed.strategy: fsdp runs between blocks break; use default or "
                           "max-autotune-no-cudagraphs")
+
+
+def _check_fused_lora(spec: Spec, lines: LineMap) -> None:
+    """train.fused_loss computes the loss from the output layer's own weight, skipping its forward: an
+    adapter on that layer would never train."""
+    lora = spec.train.lora
+    if not spec.train.fused_loss or lora is None or not isinstance(lora.target_modules, list):
+        return
+    if any(str(name).split(".")[-1] == "lm_head" for name in lora.target_modules):
+        raise lines.error("train.lora.target_modules", "names lm_head, whose forward train.fused_loss skips (its "
+                          "adapter would not train); drop lm_head or set train.fused_loss: false")
 
 
 def _check_sweep(spec: Spec, lines: LineMap) -> None:

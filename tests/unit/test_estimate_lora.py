@@ -133,7 +133,7 @@ def test_qlora_is_smaller_than_lora_is_smaller_than_full_for_1b(st, micro):
 def test_checkpointing_keeps_fewer_activations_and_a_bigger_micro_batch_fits():
     d = dims_from_config(LLAMA_8B, 2048)
     q = lora_dims(LLAMA_8B, base="int4")
-    assert estimate(d, CKPT, 1, 1, q).activations < estimate(d, DDP, 1, 1, q).activations / 3
+    assert estimate(d, CKPT, 1, 1, q).activations < estimate(d, DDP, 1, 1, q).activations / 2
     assert max_micro_batch(d, CKPT, 1, GB24, q) > max_micro_batch(d, DDP, 1, GB24, q) == 0
 
 
@@ -283,3 +283,27 @@ def test_hw_spec_recommends_qlora_on_24gb_cards_without_torch(tmp_path):
     info = json.loads(hpcgpu("hw", str(spec), "--devices", "0", "--json", "--set", "distributed.strategy=ddp",
                              HPCGPU_NVML_RECORDED=str(recorded)).stdout)
     assert "qlora (int4 base)" in info["recommendation"]["advice"]
+
+
+# torch.cuda.max_memory_allocated of hpcgpu's train task, QLoRA (int4, r 16 all-linear, dropout 0.05) on the 8B
+# Llama shape, seq 2048, gradient checkpointing, one NVIDIA H200 (benchmarks/qlora_big.py; RESULTS.md, #35)
+MEASURED_8B_QLORA = [(True, False, 2, 22.66), (True, False, 1, 15.91), (False, False, 2, 17.09),
+                     (False, False, 1, 13.13), (False, True, 2, 12.08)]
+
+
+@pytest.mark.parametrize("compiled,fused,micro,measured", MEASURED_8B_QLORA,
+                         ids=["compiled-m2", "compiled-m1", "eager-m2", "eager-m1", "fused-eager-m2"])
+def test_8b_qlora_estimate_is_within_20_percent_of_the_peak_measured_on_an_h200(
+        compiled: bool, fused: bool, micro: int, measured: float) -> None:
+    d = dims_from_config(LLAMA_8B, 2048, compiled=compiled, fused_loss=fused)
+    got = estimate(d, CKPT, micro, 1, lora_dims(LLAMA_8B, base="int4")).total / GiB
+    assert abs(got / measured - 1) <= 0.2, (got, measured)
+
+
+def test_a_fused_loss_under_lora_frees_the_logits_and_holds_no_head_gradient() -> None:
+    """The head is frozen under train.lora: the fused loss keeps no fp32 gradient of it (full training does)."""
+    q = lora_dims(LLAMA_8B, base="int4")
+    plain, fused = (dims_from_config(LLAMA_8B, 2048, fused_loss=f) for f in (False, True))
+    freed = estimate(plain, DDP, 2, 1, q).activations - estimate(fused, DDP, 2, 1, q).activations
+    full_freed = estimate(plain, DDP, 2, 1).activations - estimate(fused, DDP, 2, 1).activations
+    assert freed - full_freed == 4 * 128256 * 4096

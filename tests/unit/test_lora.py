@@ -121,6 +121,8 @@ def test_the_adapter_loads_on_its_base_and_merged_gives_the_same_logits(runs: di
     ({"train": {"lora": None, "merge": True}}, "train.merge: merges LoRA adapters into the base: it needs train.lora"),
     ({"distributed": {"strategy": "deepspeed", "deepspeed": {"zero_stage": 3}}},
      "train.lora trains under DDP or DeepSpeed ZeRO-1/2, not ZeRO-3"),
+    ({"train": {"fused_loss": True, "lora": {"target_modules": ["c_attn", "lm_head"]}}},
+     "train.lora.target_modules: names lm_head, whose forward train.fused_loss skips"),
 ])
 def test_bad_lora_input_is_one_line_and_exit_2(tmp_path: Path, change: dict, message: str) -> None:
     spec = merge(lora_spec("bad"), change)
