@@ -37,11 +37,11 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation", bf16,
              weights under autocast; 2 under DeepSpeed's bf16 weights and FSDP's bf16 gathered ones,
              the paper's 2sbhL), plus the activations of one layer, recomputed during its backward
              (the per-layer figure above); the logits are not checkpointed (Hugging Face checkpoints
-             the decoder blocks only). A compiled step keeps more per checkpointed layer:
-             CKPT_COMPILED_INPUTS = 3.8 times the input's bytes, measured, not derived (8B Llama shape,
-             QLoRA, H200: eager 3.96 GiB a sample of 2048 tokens, compiled 6.75; the 1B bf16 LoRA
-             run's -6% compiled too); torch.compile's partitioner saves more of each block's residual
-             stream at the checkpoint's edges than the input alone
+             the decoder blocks only). Under train.lora a compiled step keeps more per checkpointed
+             layer: CKPT_COMPILED_INPUTS = 3.8 times the input's bytes, measured, not derived (8B Llama
+             shape, QLoRA, H200: eager 3.96 GiB a sample of 2048 tokens, compiled 6.75; the 1B bf16
+             LoRA run's -6% compiled too). Full training does not: compiled GPT-2 350M with
+             checkpointing measured 8.67 GiB against 10.80 estimated without it (+24.5%)
   The 34 assumes fused kernels: it holds for the compiled step (torch.compile, the trainer's default on
   GPU). An eager Hugging Face block under autocast keeps far more: the residual stream and LayerNorm
   inputs in fp32, tanh-GELU's intermediates in fp32 (pow/tanh autocast to fp32), about 88 sbh counted
@@ -74,7 +74,7 @@ ACT_PER_LAYER_EAGER = 90  # eager HF block under bf16 autocast (see above)
 ATTN_SCORES = 5  # the as^2b coefficient, only where attention scores are stored (eager attention)
 CKPT_INPUT_BYTES_DDP = 4  # a checkpointed layer's input: the fp32 residual stream (fp32 weights, autocast)
 CKPT_INPUT_BYTES_ZERO = 2  # bf16 weights under DeepSpeed: a bf16 residual stream
-CKPT_COMPILED_INPUTS = 3.8  # a compiled checkpointed layer keeps ~3.8x its input (measured; docstring)
+CKPT_COMPILED_INPUTS = 3.8  # under LoRA a compiled checkpointed layer keeps ~3.8x its input (measured; docstring)
 LOGITS_BYTES = 2 + 4 + 4
 ZERO_BUCKET_ELEMS = 500_000_000  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 USABLE_FRACTION = 0.95  # allocator fragmentation
@@ -510,7 +510,7 @@ def activation_bytes(d: ModelDims, micro: int, st: Strategy = DDP, lora: LoraDim
         logits += s * b * lora.head_inputs * keep
         kept = CKPT_INPUT_BYTES_ZERO if lora.base in ("bfloat16", "float16") else CKPT_INPUT_BYTES_DDP
     if st.checkpointing:  # inputs of every layer + one layer recomputed (module docstring)
-        if d.compiled and st.zero_stage is None:
+        if lora is not None and d.compiled and st.zero_stage is None:
             kept = int(kept * CKPT_COMPILED_INPUTS)
         return d.n_layers * s * b * h * kept + per_layer + logits
     return d.n_layers * per_layer + logits
