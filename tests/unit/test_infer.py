@@ -220,9 +220,10 @@ def test_two_replicas_and_one_give_the_same_greedy_outputs(world: dict, greedy2:
     for r in rows:
         assert r["completion_tokens"] <= 8 and r["finish_reason"] in ("stop", "length")
         assert r["prompt_tokens"] == len(prompt(r["index"]).encode())
-    # both replicas ran batches (whole ones, taken from one queue), together each row once
+    # both replicas ran rows taken from one queue, together each row once (the slot engine takes chunks of
+    # one row, so how many each wrote depends on its speed, not on the batch size)
     written = [len((greedy2 / "outputs" / f"replica-{n}.jsonl").read_text().splitlines()) for n in (0, 1)]
-    assert sum(written) == ROWS and all(n > 0 and n % BATCH == 0 for n in written), written
+    assert sum(written) == ROWS and all(n > 0 for n in written), written
     assert (greedy2 / "FINISHED").exists()
 
 
