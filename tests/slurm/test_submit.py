@@ -126,7 +126,9 @@ def test_a_requeued_job_shows_requeued_while_it_waits(slurm):
     try:
         slurm.wait_status(job, timeout=60, states={"RUNNING"})
         subprocess.run(["scontrol", "requeue", job], check=True)
-        slurm.wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", 60, "SLURM to queue the job again")
+        # SLURM shows the job PENDING a moment before it sets the reason (Reason=None, then BeginTime)
+        slurm.wait_for(lambda: slurm.job(job).get("JobState") == "PENDING" and slurm.job(job).get("Reason") != "None",
+                       60, "SLURM to queue the job again and say why it waits")
         info = slurm.job(job)
         view = slurm.status(job)
         assert (view["state"], view["restarts"], view["nodes"]) == ("REQUEUED", 1, ""), (view, info)
