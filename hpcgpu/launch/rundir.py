@@ -96,7 +96,8 @@ def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
 
 def take_spec(run_dir: Path, spec: Spec) -> None:
     """A resumed run dir's spec.yaml becomes this submission's (an infer run going on with another
-    replica count resolves to another text of the same spec)."""
+    replica count resolves to another text of the same spec), once its width can go on there."""
+    check_width(run_dir, spec)
     if RunPaths(run_dir).spec.read_text() != (text := dump_spec(spec)):
         write_atomic(RunPaths(run_dir).spec, text)
 
@@ -189,11 +190,29 @@ def resume_text(run_dir: Path, spec: Spec) -> str:
              if p.name[5:].isdigit() and (p / COMPLETE_MARKER).is_file()]
     if steps:
         text += f" from step {max(steps)}"
-    try:
-        ran_at = int(json.loads(RunPaths(run_dir).plan.read_text())["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        ran_at = None
+    ran_at, _ = recorded_width(run_dir)
     now = spec.resources.nodes * spec.resources.gpus
     if spec.task == "train" and ran_at is not None and ran_at != now:
         text += f" at {now} GPUs (it ran at {ran_at}; the global batch stays {spec.train.global_batch_size})"
     return text + " (same spec; --new starts afresh)"
+
+
+def recorded_width(run_dir: Path) -> tuple[int | None, str | None]:
+    """(world size, train strategy) of the run's plan.json; (None, None) before the job wrote one."""
+    try:
+        plan = json.loads(RunPaths(run_dir).plan.read_text())
+        return int(plan["world_size"]), (plan.get("train") or {}).get("strategy")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, None
+
+
+def check_width(run_dir: Path, spec: Spec) -> None:
+    """A DeepSpeed run's partitioned checkpoint resumes only at the width it was saved at (DDP and
+    FSDP go on at any width): refused here, before the spec is rewritten or a job waits in the queue
+    for the refusal the job itself would give (runtime/plan.py check_recorded)."""
+    ran_at, strategy = recorded_width(run_dir)
+    now = spec.resources.nodes * spec.resources.gpus
+    if spec.task == "train" and strategy == "deepspeed" and ran_at is not None and ran_at != now:
+        raise SpecError("resources", f"the unfinished run {run_dir} trained with DeepSpeed at {ran_at} GPU(s), and its "
+                        f"partitioned checkpoint resumes only at that width, not at {now}: give it {ran_at} GPUs "
+                        "(--gpus or resources.nodes x resources.gpus), or start a fresh run (submit --new)")

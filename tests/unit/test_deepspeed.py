@@ -109,6 +109,13 @@ def test_preempt_and_resume_reproduces_the_uninterrupted_run(tmp_path, zero_runs
     first, run_dir = submit(tmp_path, spec, "--new", env={"HPCGPU_SIGNAL_AT": "5:1"})  # stops after 6
     assert first.returncode == 75, first.stderr[-3000:]
     assert (run_dir / "checkpoints" / "step-00000006" / "deepspeed").is_dir()
+    if stage == 2:  # at another width: one line before any job, the run left as it was
+        written = (run_dir / "spec.yaml").read_text()
+        other, _ = submit(tmp_path, spec, "--gpus", "1")
+        lines = [line for line in other.stderr.splitlines() if "resumes only at that width" in line]
+        assert other.returncode == 2 and len(lines) == 1, other.stderr[-2000:]
+        assert "DeepSpeed at 2 GPU(s)" in lines[0] and "not at 1" in lines[0], lines
+        assert (run_dir / "spec.yaml").read_text() == written and len(list(run_dir.parent.iterdir())) == 1
     second, again = submit(tmp_path, spec)
     assert second.returncode == 0, second.stderr[-3000:]
     assert again == run_dir
