@@ -25,9 +25,13 @@ def fsdp_spec(strategy: str = "fsdp", **more: object) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same spec under ddp and fsdp at 2 ranks, run to the end side by side."""
+    """The same spec under ddp and fsdp at 2 ranks, run to the end side by side; `fsdp-kept` keeps the
+    gathered weights until the backward and recomputes each block's activations."""
     root = tmp_path_factory.mktemp("fsdp")
-    jobs = {name: (write_spec_file(root / name, fsdp_spec(name)), ()) for name in ("ddp", "fsdp")}
+    specs = {"ddp": fsdp_spec("ddp"), "fsdp": fsdp_spec(),
+             "fsdp-kept": fsdp_spec(distributed={"fsdp": {"reshard_after_forward": False}},
+                                    train={"gradient_checkpointing": True})}
+    jobs = {name: (write_spec_file(root / name, spec), ()) for name, spec in specs.items()}
     done = submit_all(jobs)
     for name, proc in done.items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
@@ -48,6 +52,16 @@ def test_two_fsdp_ranks_follow_the_ddp_curve_and_leave_a_model_that_loads(uninte
         sharded = AutoModelForCausalLM.from_pretrained(fsdp / "model").eval()(ids).logits
         whole = AutoModelForCausalLM.from_pretrained(ddp / "model").eval()(ids).logits
     assert torch.allclose(sharded, whole, atol=1e-4), (sharded - whole).abs().max()
+
+
+def test_fsdp_without_resharding_and_with_checkpointing_follows_the_same_curve(uninterrupted: dict[str, Path]) -> None:
+    run = uninterrupted["fsdp-kept"]
+    plan = json.loads((run / "plan.json").read_text())["train"]
+    assert plan["strategy"] == "fsdp" and plan["gradient_checkpointing"] is True, plan
+    got, want = step_losses(run), step_losses(uninterrupted["ddp"])
+    assert got.keys() == want.keys() == set(range(1, STEPS + 1))
+    for step in want:  # a recomputed forward is the same arithmetic; only the reduce's grouping differs
+        assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
 
 
 @pytest.mark.parametrize("after", [2, 1])
