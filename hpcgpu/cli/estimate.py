@@ -252,6 +252,8 @@ class InferSetup:
     cpu: int  # CPU memory for offloaded weights (max_memory's cpu=), 0: none
     gpus: int  # resources.gpus: GPUs per node
     nodes: int
+    config: Any = None  # the model's config: which engine a row runs on (runtime/slots.py why_batches)
+    engine: str = "slots"  # infer.engine
 
     def replicas(self, g: int) -> int | None:
         """Model copies at g GPUs a copy; None where g does not divide the GPUs of a node."""
@@ -277,11 +279,22 @@ def width_row(s: InferSetup, fmt: str, g: int) -> dict[str, Any]:
         off = offloaded_bytes(weights, g, s.budget, s.cpu)
         rule = replica_fits(weights, g, s.budget, s.cpu)
         top = infer_split_max_batch(s.d, fmt, s.prompt, s.new, s.mode, g, s.memory, off, s.cap) if rule else 0
-    batch = s.fixed_batch or auto_infer_batch(top or 0, s.mode)
+    engine = row_engine(s, fmt, g, off)
+    batch = s.fixed_batch or auto_infer_batch(top or 0, s.mode, engine=engine)
     e = infer_split_estimate(s.d, fmt, batch, s.prompt, s.new, s.mode, g, off)
-    return {"gpus_per_replica": g, "possible": s.gpus % g == 0, "replicas": s.replicas(g), "batch": batch,
+    return {"gpus_per_replica": g, "possible": s.gpus % g == 0, "replicas": s.replicas(g), "engine": engine,
+            "batch": batch,
             "weights": e.weights, "offloaded": off, "kv_cache": e.kv_cache, "activations": e.activations,
             "total": e.total, "fits": None if top is None else bool(rule and batch <= top), "max_batch": top}
+
+
+def row_engine(s: InferSetup, fmt: str, g: int, offloaded: int) -> str:
+    """The engine the job runs a copy of this format and placement on: its batch cap differs."""
+    from hpcgpu.runtime.slots import why_batches  # torch: count_params has loaded it already
+
+    quantization = fmt if fmt in ("int8", "int4") else "none"
+    devices = g + (1 if offloaded else 0)
+    return "batches" if why_batches(s.mode, s.engine, s.config, quantization, s.prompt + s.new, devices) else "slots"
 
 
 def fewest_width(s: InferSetup, fmt: str) -> int | None:
@@ -353,7 +366,8 @@ def estimate_infer(spec: Spec, gpu_total: int | None, gpu_what: str, prompt_toke
     s = InferSetup(d=d, prompt=prompt, new=0 if inf.mode == "score" else inf.max_new_tokens, mode=inf.mode,
                    fixed_batch=inf.batch_size if isinstance(inf.batch_size, int) else None,
                    budget=max_memory.gpu_budget(gpu_total), memory=gpu_total or max_memory.gpu, cap=max_memory.gpu,
-                   cpu=max_memory.cpu, gpus=spec.resources.gpus, nodes=spec.resources.nodes)
+                   cpu=max_memory.cpu, gpus=spec.resources.gpus, nodes=spec.resources.nodes, config=cfg,
+                   engine=inf.engine)
     chosen = spec_weights_format(spec)
     formats = [chosen if f == "bfloat16" and chosen == "float16" else f for f in INFER_FORMATS]
     rec = recommend_infer(s, chosen, inf.gpus_per_replica)
@@ -412,8 +426,10 @@ def print_widths_table(s: InferSetup, table: list[dict[str, Any]]) -> None:
     notes = [] if s.budget is None else [f"fits: weights within {WEIGHTS_SHARE:.0%} of each GPU"
                                          + (" (and CPU memory)" if s.cpu else "") + ", the batch within the rest"]
     if not s.fixed_batch:
-        notes.append(f"batch auto: as the job picks it, the largest power of two that fits, at most "
-                     f"{INFER_BATCH_CAP[s.mode]} (fewer for a short input)")
+        caps = (f"{INFER_BATCH_CAP['slots']} slots on the slot engine, {INFER_BATCH_CAP['generate']} rows on "
+                "batches (int8/int4, a split or offloaded copy)") if s.mode == "generate" else INFER_BATCH_CAP[s.mode]
+        notes.append(f"batch auto: as the job picks it, the largest power of two that fits, at most {caps} "
+                     "(fewer for a short input)")
     if any(not r["possible"] for r in table[0]["widths"]):
         notes.append(f"copies -: the width does not divide resources.gpus ({s.gpus})")
     if notes:

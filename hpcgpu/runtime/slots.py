@@ -59,14 +59,18 @@ except ImportError:  # torch without flex_attention
 
 # ---------------------------------------------------------------- which models
 
-def refusal(model: Any, quantization: str, width: int) -> str | None:
-    """Why this model cannot take the slot engine (one short clause), or None."""
+def why_batches(mode: str, setting: str, config: Any, quantization: str, width: int, devices: int = 1) -> str | None:
+    """Why a run takes the batch engine (one short clause for the log), or None: the slot engine. The
+    job asks it of the loaded model (infer.pick_engine), `hpcgpu estimate` of the spec's config and
+    each table row's placement, so the two show the same engine and the same auto batch."""
     from transformers import cache_utils
 
-    config = model.config
-    devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(devices) > 1:
-        return f"the model copy is split over {len(devices)} devices (accelerate's hooks)"
+    if mode == "score":
+        return "score mode: one forward a batch"
+    if setting == "batches":
+        return "infer.engine: batches"
+    if devices > 1:
+        return f"the model copy is split over {devices} devices (accelerate's hooks)"
     if quantization != "none":
         return f"{quantization} weights (bitsandbytes)"
     if not hasattr(cache_utils, "CacheLayerMixin"):
@@ -617,3 +621,8 @@ class SlotEngine:
         self.col[s] = 0
         self.pos[s] = 0
         self.col_host[s] = 0
+
+
+def devices_of(model: Any) -> int:
+    """The devices a loaded copy's weights are on (accelerate's device map: GPUs, cpu for offloaded)."""
+    return max(1, len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}))

@@ -184,3 +184,20 @@ def test_the_estimate_shows_the_batch_the_job_picks(tmp_path, monkeypatch, mode:
                       budget_bytes=budget, bytes_per_row=per_row)
     assert budget // per_row == one_gpu["max_batch"] > 1
     assert plan.inference.batch_size == one_gpu["batch"]
+
+
+def test_each_row_shows_the_engine_the_job_runs_it_on_and_its_auto_cap(tmp_path):
+    """A small model on an 80 GB card fits more rows than any cap: a bfloat16 copy on one GPU runs on
+    the slot engine (512 slots), an int4 copy or a copy split over 2 GPUs on batches (256 rows), as the
+    job decides it (runtime/slots.py why_batches); infer.engine: batches puts every row there."""
+    small = {**LLAMA_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
+    formats = {f["weights_format"]: f for f in
+               estimate_json(spec_file(tmp_path, {"config": small}, batch_size="auto"), "80GiB")["formats"]}
+    by_width = {g["gpus_per_replica"]: g for g in formats["bfloat16"]["widths"]}
+    assert (by_width[1]["engine"], by_width[1]["batch"]) == ("slots", 512)
+    assert (by_width[2]["engine"], by_width[2]["batch"]) == ("batches", 256)
+    assert (formats["int4"]["engine"], formats["int4"]["batch"]) == ("batches", 256)
+    (tmp_path / "b").mkdir()
+    batches = estimate_json(spec_file(tmp_path / "b", {"config": small}, batch_size="auto", engine="batches"), "80GiB")
+    assert {(f["engine"], f["batch"]) for f in batches["formats"]} == {("batches", 256)}

@@ -510,11 +510,9 @@ def make_engine(spec: Spec, model: Any, codec: Codec, ids: list[list[int]], rows
 def pick_engine(spec: Spec, model: Any, ids: list[list[int]]) -> str | None:
     """Why this run takes the batch engine (None: the slot engine), as one clause for the log."""
     inf = spec.infer
-    if inf.mode == "score":
-        return "score mode: one forward a batch"
-    if inf.engine == "batches":
-        return "infer.engine: batches"
-    return slot_engine.refusal(model, spec.model.quantization, slot_engine.cache_width(ids, inf.max_new_tokens))
+    width = slot_engine.cache_width(ids, inf.max_new_tokens)
+    return slot_engine.why_batches(inf.mode, inf.engine, model.config, spec.model.quantization, width,
+                                   slot_engine.devices_of(model))
 
 
 # ---------------------------------------------------------------- plan
