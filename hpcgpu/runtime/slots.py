@@ -571,6 +571,7 @@ class SlotEngine:
                     width = self.widths[-1]
                 for t, saved in zip((self.tokens, self.pos, self.col), state):
                     t.copy_(saved)
+                self.capture_s += time.perf_counter() - t0  # the failed compile is start-up time too
                 return self._capture(width)
             self.graphs_off_why = f"CUDA graph capture failed ({first[:200]})"
             log.warning(f"{self.graphs_off_why}: decode steps run uncaptured")
