@@ -424,6 +424,33 @@ def block_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], bool]:
     return [(path, *size[part]) for path, part in (n.split(":") for n in names)], known
 
 
+def linear_layer_names(cfg: Mapping[str, Any]) -> list[str] | None:
+    """The names (last part) of every linear layer of a model of this config, as the job's
+    runtime/lora.linear_names lists them once built, without torch; None where not known for certain: a
+    family outside LINEAR_NAMES, a multimodal config (its other towers have layers of their own)."""
+    mtype = cfg.get("model_type")
+    # gpt_neox's head is embed_out before transformers 5 and lm_head since: not certain here
+    if not isinstance(mtype, str) or mtype not in LINEAR_NAMES or mtype == "gpt_neox" or "text_config" in cfg:
+        return None
+    names = {n.split(":")[0].rsplit(".", 1)[-1] for n in LINEAR_NAMES[mtype]} | {"lm_head"}
+    # layers a config option adds: GPT-2's cross-attention, OPT's projections around a narrower embedding
+    if mtype == "gpt2" and cfg.get("add_cross_attention"):
+        names.add("q_attn")
+    if mtype == "opt" and cfg.get("word_embed_proj_dim") not in (None, cfg.get("hidden_size", 768)):
+        names |= {"project_in", "project_out"}
+    return sorted(names)
+
+
+def unknown_targets_problem(targets: list[str], names: list[str], model_type: str) -> str | None:
+    """The one line refusing target_modules that name no linear layer (`names`, the last parts of their
+    paths): the job's (runtime/lora.check_targets) and the host's (launch/checks.py), one text."""
+    unknown = [t for t in targets if t not in names]
+    if not unknown:
+        return None
+    return (f"train.lora.target_modules: {', '.join(unknown)} is not a linear layer of this {model_type} model; "
+            f"its linear layers: {', '.join(names) or 'none'}")
+
+
 def _matches(path: str, target: str) -> bool:
     """peft's rule for a name in target_modules: the layer's path is the name or ends with '.name'."""
     return path == target or path.endswith("." + target)

@@ -18,6 +18,9 @@ One place, run by the host's resolve step (hpcgpu/launch/resolve.py) for `hpcgpu
   have the fields the format needs (the job's own row reader, hpcgpu/data/sources.py: file:line), chat
   has a tokenizer with a chat template (a local model folder's; a hub id's is not looked at), and a
   prepared folder was prepared with the spec's data.format (its manifest; also checked for text);
+- task: train with a train.lora.target_modules list: every name is a linear layer of the model, where its
+  config (model.config, a local folder's config.json) is of a family whose layer names are known
+  (gpu/estimate.py linear_layer_names); the job's own line (runtime/lora.py check_targets);
 - model.config.model_type is a model type the installed transformers knows. The list comes from
   transformers' config mapping, asked in a subprocess (it imports torch) and cached on disk per
   transformers version, so these commands never import transformers or torch themselves; without
@@ -42,7 +45,7 @@ from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import urlparse
 
 from hpcgpu.errors import HpcgpuError, SpecError
-from hpcgpu.gpu.estimate import parse_max_memory
+from hpcgpu.gpu.estimate import linear_layer_names, parse_max_memory, unknown_targets_problem
 from hpcgpu.gpu.model_types import model_type_problem
 from hpcgpu.infer_rows import Row, read_rows, rows_fit_problem
 from hpcgpu.launch.registry import file_system_type
@@ -618,6 +621,20 @@ def adapter_problem(spec: Spec) -> str | None:
     return None
 
 
+def lora_targets_problem(spec: Spec) -> str | None:
+    """train.lora.target_modules naming a layer the model does not have: the job's own line (runtime/lora.py
+    check_targets), here where the config tells the layer names for certain (a family LINEAR_NAMES knows, from
+    model.config or a local folder's config.json); a hub id or another family is left to the job."""
+    lora = spec.train.lora if spec.task == "train" else None
+    if lora is None or not isinstance(lora.target_modules, list):
+        return None
+    found = model_config_of(spec)
+    if found is None or found[1]:  # no config here, or a multimodal model's text part
+        return None
+    names = linear_layer_names(found[2])
+    return unknown_targets_problem(lora.target_modules, names, found[2]["model_type"]) if names else None
+
+
 def _infer(check: Callable[[Spec], str | None]) -> Problem:
     return lambda spec, _: check(spec) if spec.task == "infer" else None
 
@@ -630,6 +647,8 @@ SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("model.config.model_type", lambda spec, _: model_type_problem(spec)),
     HostCheck("model.name_or_path", _folder_attention, _model),
     HostCheck("model.config", _config_attention, _model),
+    HostCheck("train.lora.target_modules", lambda spec, _: lora_targets_problem(spec),
+              lambda spec: repr((spec.task, spec.model.name_or_path, spec.model.config, spec.train.lora))),
     HostCheck("track.tensorboard", lambda spec, _: tensorboard_package_problem(spec)),
     HostCheck("track.wandb", lambda spec, _: wandb_package_problem(spec)),
     HostCheck("data.format", lambda spec, _: prepared_formats_problem(spec), _data),

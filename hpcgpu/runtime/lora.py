@@ -12,6 +12,7 @@ import torch
 
 from hpcgpu.contract import folder_written_whole
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.gpu.estimate import unknown_targets_problem
 from hpcgpu.spec import Spec
 from hpcgpu.spec.schema import Lora
 
@@ -47,12 +48,12 @@ def linear_names(model: torch.nn.Module) -> list[str]:
 
 
 def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
-    names = linear_names(model)
-    unknown = [t for t in targets if t not in names]
-    if unknown:
-        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise HpcgpuError(f"train.lora.target_modules: {', '.join(unknown)} is not a linear layer of this {kind} "
-                          f"model; its linear layers: {', '.join(names) or 'none'}")
+    """The job's check of target_modules, for what the host could not read first (a hub id's model, a
+    family outside LINEAR_NAMES): launch/checks.py refuses the same names in the same line."""
+    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    problem = unknown_targets_problem(targets, linear_names(model), kind)
+    if problem:
+        raise HpcgpuError(problem)
 
 
 def trainable_count(model: torch.nn.Module) -> int:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -427,6 +428,41 @@ def test_quantization_without_bitsandbytes_is_refused_by_every_command(tmp_path,
     one_error_line(hpcgpu(*COMMANDS[command], str(write(tmp_path, doc)), cwd=tmp_path),
                    "model.quantization: int8 needs bitsandbytes", "pip install 'hpcgpu[quant]'")
     assert not (tmp_path / "runs").exists()
+
+
+def lora_doc(tmp_path: Path, targets: list[str], **model: Any) -> dict:
+    return train_doc(tmp_path, model=model or {"config": dict(TINY)},
+                     train={"global_batch_size": 2, "max_steps": 1, "lora": {"target_modules": targets}})
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_lora_target_the_model_lacks_is_the_job_s_line_before_any_job(tmp_path: Path, command: str) -> None:
+    """The job refused it after the queue wait; the config tells the names here (runtime/lora.py's line)."""
+    done = hpcgpu(*COMMANDS[command], str(write(tmp_path, lora_doc(tmp_path, ["q_proj"]))), cwd=tmp_path)
+    assert one_error_line(done) == ("hpcgpu: error: train.lora.target_modules: q_proj is not a linear layer of "
+                                    "this gpt2 model; its linear layers: c_attn, c_fc, c_proj, lm_head")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "jobs.db").exists()
+
+
+def test_lora_targets_the_model_has_pass_without_torch_and_the_rest_is_left_to_the_job(tmp_path: Path) -> None:
+    """Login nodes stay fast (the names come from the config, no torch); refused only where certain."""
+    probe = ("import sys\nfrom hpcgpu.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+             "    code = exc.code\nprint('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules),"
+             " 'CODE=' + str(code), file=sys.stderr)\n")
+    spec = write(tmp_path, lora_doc(tmp_path, ["c_attn", "c_proj", "lm_head"]))
+    done = subprocess.run([sys.executable, "-c", probe, "validate", str(spec)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert "HEAVY= CODE=0" in done.stderr, done.stderr
+    # a local folder's config.json is read as model.config is
+    folder = model_dir(tmp_path / "m", "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**TINY, "model_type": "llama"}))
+    with pytest.raises(Exception, match=r"^train\.lora\.target_modules: c_attn is not a linear layer of this llama "
+                                        r"model; its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj"):
+        checks.check_host(load_spec(write(tmp_path, lora_doc(tmp_path, ["c_attn"], name_or_path=str(folder)))))
+    # a family whose layer names the host does not know, a multimodal config, a hub id: the job decides
+    for model in ({"config": {**TINY, "model_type": "falcon"}}, {"config": {**TINY, "text_config": dict(TINY)}},
+                  {"name_or_path": "gpt2"}):
+        assert checks.lora_targets_problem(load_spec(write(tmp_path, lora_doc(tmp_path, ["nope"], **model)))) is None
 
 
 def test_quantization_on_the_local_executor_without_a_gpu_is_refused(tmp_path):

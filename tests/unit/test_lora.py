@@ -135,6 +135,75 @@ def test_bad_lora_input_is_one_line_and_exit_2(tmp_path: Path, change: dict, mes
     assert len(errors) == 1 and "Traceback" not in text, text[-2000:]
 
 
+def test_one_step_trains_only_the_adapters_and_leaves_the_base_bitwise_unchanged() -> None:
+    """The train task's own pieces (build_model, add_adapters, build_optimizer), one optimizer step: a base
+    weight left trainable would get a gradient and move; an adapter left frozen would get none."""
+    import torch
+
+    from hpcgpu.runtime.lora import add_adapters
+    from hpcgpu.runtime.model import build_model
+    from hpcgpu.runtime.tasks.train import build_optimizer
+    from hpcgpu.spec import spec_from_raw
+
+    spec = spec_from_raw(lora_spec("step"), need_data=False)
+    assert spec.train.lora is not None
+    model = add_adapters(build_model(spec, spec.train.seed), spec.train.lora).train()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, spec, torch.device("cpu"))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    params = dict(model.named_parameters())
+    base = [name for name in params if "lora_" not in name]
+    adapters = [name for name in params if "lora_" in name]
+    assert base and adapters
+    moved = [name for name in base if params[name].grad is not None or not torch.equal(params[name], before[name])]
+    assert not moved, moved
+    assert all(params[name].grad is not None for name in adapters), [n for n in adapters if params[n].grad is None]
+    assert any(not torch.equal(params[name], before[name]) for name in adapters)  # the step did update them
+
+
+# small enough to build every family on the meta device in a blink; gpt_neo wants a layer pattern per layer
+SMALL = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 64, "head_dim": 8, "vocab_size": 64, "pad_token_id": 0, "bos_token_id": 0,
+         "eos_token_id": 0}
+FAMILY_EXTRA = {"gpt_neo": {"attention_types": [[["global"], 1]]}}
+
+
+def test_the_host_refuses_a_missing_lora_target_in_the_job_s_line_for_every_family_it_knows() -> None:
+    """The host reads the linear layer names from the config (estimate.linear_layer_names) and refuses what
+    the job would: they must be the names the job finds in the built model, or the host refuses a good
+    spec (or names other layers than the job). The job's check stays for what the host cannot read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpcgpu.errors import HpcgpuError
+    from hpcgpu.gpu.estimate import LINEAR_NAMES, linear_layer_names
+    from hpcgpu.launch.checks import lora_targets_problem
+    from hpcgpu.runtime.lora import add_adapters, linear_names
+    from hpcgpu.runtime.model import build_model
+    from hpcgpu.spec import spec_from_raw
+
+    configs = [{"model_type": m, **SMALL, **FAMILY_EXTRA.get(m, {})} for m in LINEAR_NAMES]
+    # layers a config option adds
+    configs += [{"model_type": "gpt2", **SMALL, "add_cross_attention": True},
+                {"model_type": "opt", **SMALL, "word_embed_proj_dim": 16}]
+    known = [cfg for cfg in configs if linear_layer_names(cfg) is not None]
+    assert len(known) >= len(LINEAR_NAMES)
+    for cfg in known:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+        assert linear_names(model) == linear_layer_names(cfg), cfg
+
+    spec = spec_from_raw(lora_spec("bad", lora={"target_modules": ["c_attn", "q_proj"]}), need_data=False)
+    assert spec.train.lora is not None
+    with pytest.raises(HpcgpuError) as job:
+        add_adapters(build_model(spec, 0), spec.train.lora)
+    assert str(job.value) == lora_targets_problem(spec) == (
+        "train.lora.target_modules: q_proj is not a linear layer of this gpt2 model; its linear layers: "
+        "c_attn, c_fc, c_proj, lm_head")
+
+
 def test_validate_refuses_quantization_without_a_gpu_before_any_job(tmp_path: Path) -> None:
     """QLoRA on a machine where bitsandbytes cannot run: one line, before the queue wait."""
     spec = merge(lora_spec("q"), {"model": {"quantization": "int4", "name_or_path": str(tmp_path)}})
