@@ -2,7 +2,8 @@
 tiny Llama, GPT-2, Qwen2 and Mistral models with random weights, 44 rows of mixed lengths through fewer
 slots than rows (so slots refill), some rows ending on EOS, some on a stop string, others at
 max_new_tokens. The reference is the batch engine with batches of one row: model.generate with the
-same stop criteria and record rules."""
+same stop criteria and record rules. Records are compared with their completion's token ids (the
+token_ids fixture), not the text alone."""
 from __future__ import annotations
 
 import collections
@@ -15,6 +16,7 @@ import torch
 
 from hpcgpu.infer_rows import Row
 from hpcgpu.runtime.data import ByteTokenizer
+from hpcgpu.runtime.tasks import infer as infer_task
 from hpcgpu.runtime.tasks.infer import BatchResult, BatchRunner, Chunk, Codec, SlotRunner, pick_engine
 from hpcgpu.spec import spec_from_raw
 
@@ -90,6 +92,34 @@ def frequent_token(model: Any, ids: list[list[int]]) -> int:
     return min(counts, key=lambda t: abs(counts[t] - 4))
 
 
+@pytest.fixture
+def token_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every generate record also carries its completion's token ids: the byte tokenizer decodes with
+    errors="replace", so completions that differ in a byte >= 128 can decode to the same text. Both
+    engines build their records through completion_record."""
+    plain = infer_task.completion_record
+
+    def with_ids(row: Row, index: int, prompt_tokens: int, tokens: Any, reason: str, stops: Any,
+                 codec: Codec) -> dict[str, Any]:
+        return {**plain(row, index, prompt_tokens, tokens, reason, stops, codec), "token_ids": list(tokens)}
+
+    monkeypatch.setattr(infer_task, "completion_record", with_ids)
+
+
+def watch_prefills(engine: Any) -> list[tuple[int, int]]:
+    """(rows prefilled, slots still running an earlier row) of each prefill the engine makes."""
+    seen: list[tuple[int, int]] = []
+    prefill = engine.prefill
+
+    def watched(pairs: list[tuple[int, int]]) -> Any:
+        seen.append((len(pairs), sum(r >= 0 for r in engine.row)))
+        return prefill(pairs)
+
+    engine.prefill = watched
+    return seen
+
+
+@pytest.mark.usefixtures("token_ids")
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_greedy_slots_give_model_generates_tokens_row_by_row(kind: str) -> None:
     rows, ids = rows_and_ids()
@@ -104,13 +134,14 @@ def test_greedy_slots_give_model_generates_tokens_row_by_row(kind: str) -> None:
     assert pick_engine(sp, model, ids) is None  # the slot engine takes it
     want = reference(sp, model, ids, rows)
     got = run(SlotRunner(sp, model, codec, ids, rows, torch.device("cpu"), slots=5), ids)
-    assert got == want
+    assert got == want  # token ids, not only the (lossy) text
     reasons = collections.Counter(r["finish_reason"] for r in want.values())
     assert reasons["length"] >= 3 and reasons["stop"] >= 3, reasons
     assert any(r["completion_tokens"] < NEW and stop not in r["text"] and r["finish_reason"] == "stop"
                for r in want.values())  # some end on EOS
 
 
+@pytest.mark.usefixtures("token_ids")
 def test_sampling_depends_on_the_seed_and_row_not_the_slots() -> None:
     rows, ids = rows_and_ids(2)
     model = tiny_model("llama", None)
@@ -151,6 +182,7 @@ def test_models_the_slot_engine_does_not_take_run_on_batches(tmp_path: Path) -> 
     json.dumps(pick_engine(spec(), opt, ids))
 
 
+@pytest.mark.usefixtures("token_ids")
 def test_the_jobs_engine_prepared_before_the_loop_gives_the_same_rows() -> None:
     from hpcgpu.runtime.tasks.infer import make_engine
 
@@ -163,25 +195,27 @@ def test_the_jobs_engine_prepared_before_the_loop_gives_the_same_rows() -> None:
     assert run(prepared, ids) == lazy
 
 
-def test_refill_off_takes_new_rows_only_when_every_slot_is_free() -> None:
+@pytest.mark.usefixtures("token_ids")
+def test_refill_fills_freed_slots_while_others_decode_and_off_waits_for_every_slot() -> None:
     rows, ids = rows_and_ids()
-    model = tiny_model("gpt2", 7)
+    model = tiny_model("gpt2", None)
+    # rows must end at different steps: ended all at max_new_tokens, they free their slots together and
+    # refill on and off run the very same steps
+    model.generation_config.eos_token_id = frequent_token(model, ids)
     codec = Codec(ByteTokenizer(), "tiny")
     on = SlotRunner(spec(), model, codec, ids, rows, torch.device("cpu"), slots=4)
     off = SlotRunner(spec(refill=False), model, codec, ids, rows, torch.device("cpu"), slots=4)
-    fills: list[int] = []
-    prefill = off.engine.prefill
-
-    def counted(pairs: list) -> list:
-        assert all(r < 0 for r in off.engine.row)  # every slot free when new rows enter
-        fills.append(len(pairs))
-        return prefill(pairs)
-
-    off.engine.prefill = counted
-    assert run(off, ids, chunk=4) == run(on, ids, chunk=4)  # the same rows either way
-    assert fills == [4] * (ROWS // 4)  # fixed batches of 4
+    fills_on, fills_off = watch_prefills(on.engine), watch_prefills(off.engine)
+    got = run(on, ids, chunk=4)
+    assert run(off, ids, chunk=4) == got  # the same rows either way
+    assert len({r["completion_tokens"] for r in got.values()}) > 2, "no rows of unlike lengths: nothing to refill"
+    assert fills_off == [(4, 0)] * (ROWS // 4)  # fixed batches of 4, each into empty slots
+    assert any(busy for _, busy in fills_on), fills_on  # rows entered beside rows still decoding
+    # the freed slots did not idle: fewer decode calls for the same rows
+    assert on.engine.replays < off.engine.replays, (on.engine.replays, off.engine.replays)
 
 
+@pytest.mark.usefixtures("token_ids")
 @pytest.mark.parametrize("attention", ["flex", "sdpa"])
 def test_rows_past_one_block_give_generates_tokens(attention: str) -> None:
     """Rows longer than one 64-column block, refilling 5 slots, against model.generate row by row. flex:
