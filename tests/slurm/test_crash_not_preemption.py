@@ -80,3 +80,30 @@ def test_scontrol_requeue_is_reported_as_a_requeue(slurm) -> None:
         assert slurm.job(job)["Restarts"] == "1"
     finally:
         subprocess.run(["scancel", job])
+
+
+def test_a_program_that_does_not_stop_after_the_signal_is_ended_and_the_job_requeued(slurm) -> None:
+    """A program that catches the stop signal and never ends (Lightning's handler stuck in its barrier
+    is one) is ended by hpcgpu before SLURM's kill (slurm.signal's lead less a margin): the job requeues
+    instead of running into its time limit, and the next run goes on."""
+    program = ("import os, signal, time\n"
+               "if os.environ.get('SLURM_RESTART_COUNT', '0') == '0':\n"
+               "    signal.signal(signal.SIGUSR2, lambda *_: print('caught the signal, and stuck', flush=True))\n"
+               "    time.sleep(300)\n"
+               "print('the next run ends', flush=True)\n")
+    spec = slurm.write_spec({"name": "stuck", "task": "command", "command": [sys.executable, "-c", program],
+                             "resources": {"gpus": 2, "cpus_per_gpu": 1, "time": "00:10:00"},
+                             "slurm": {"signal": "USR2@16"}})  # 12 s for the program after the signal
+    script, run_dir = slurm.render(spec)
+    job = slurm.sbatch(script)
+    slurm.wait_for(lambda: slurm.job(job).get("JobState") == "RUNNING", timeout=60, what="the job to run")
+    time.sleep(3)
+    signalled = time.monotonic()
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True)
+    info = slurm.wait(job, timeout=120)
+    out = slurm.job_output(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
+    assert time.monotonic() - signalled < 100, out
+    assert out.count("caught the signal, and stuck") == 2 and out.count("the next run ends") == 2, out
+    assert out.count("the program is still running 12s after the stop signal (SIGUSR2)") == 2, out
+    assert "ended by hpcgpu" in out and "a crash" not in out, out

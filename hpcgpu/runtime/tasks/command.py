@@ -25,7 +25,7 @@ from hpcgpu.procs import child_dies_with_me
 from hpcgpu.runtime.preempt import stop_signals
 from hpcgpu.runtime.stop import StopNote, stop_job
 from hpcgpu.spec import Spec
-from hpcgpu.spec.derive import nccl_env, signal_name
+from hpcgpu.spec.derive import nccl_env, signal_lead_s, signal_name
 
 
 def command_env(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> dict[str, str]:
@@ -119,7 +119,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         # local rank 0 of each node samples the node's GPUs while the program runs, as for train
         with GpuMonitor(paths.run_dir, env.local_rank, spec.monitor.interval_s, node_rank=env.node_rank,
                         enabled=spec.monitor.enabled):
-            code = proc.wait()
+            code, ended_by_us = wait_for_program(proc, received, stop_allowance_s(spec), env)
         told_to_stop = bool(received)  # before the program ended: a signal after it is not why it ended
         if code != 0 and not received:  # it may have ended of SLURM's own copy of a stop signal
             wait_for_our_copy(received)
@@ -138,8 +138,46 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         return code
     # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
-    note = StopNote({}, f"the program exited with code {code} after the stop signal")
+    note = StopNote({}, f"the program ended with code {code} after the stop signal" + (
+        f", ended by hpcgpu: it was still running {stop_allowance_s(spec):.0f}s after it" if ended_by_us else ""))
     return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
+
+
+STOP_MARGIN_S = 10.0  # before SLURM's kill: time for rank 0 to ask the controller and requeue
+KILL_AFTER_S = 5.0  # SIGTERM, then SIGKILL
+
+
+def stop_allowance_s(spec: Spec) -> float:
+    """How long a program may go on after the stop signal: slurm.signal's lead (the time SLURM gives
+    before its kill) less a margin, so that the job is still there to be requeued."""
+    lead = float(signal_lead_s(spec))
+    return lead - min(STOP_MARGIN_S, lead / 4)
+
+
+def wait_for_program(proc: subprocess.Popen, received: list[int], allowance_s: float,
+                     env: DistEnv) -> tuple[int, bool]:
+    """The program's exit code, and whether hpcgpu ended it. A program still running `allowance_s`
+    after a stop signal is ended here (SIGTERM, then SIGKILL), so the job requeues from the program's
+    last checkpoint instead of running into its time limit: Lightning's handler, for one, can hang in
+    its barrier (docs/frameworks.md), and a program may catch the signal and never stop."""
+    since: float | None = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2), False
+        except subprocess.TimeoutExpired:
+            pass
+        if received and since is None:
+            since = time.monotonic()
+        if since is not None and time.monotonic() - since >= allowance_s:
+            break
+    print(f"hpcgpu: rank {env.rank}: the program is still running {allowance_s:.0f}s after the stop signal "
+          f"({signal.Signals(received[0]).name}): ending it so the job can requeue", file=sys.stderr, flush=True)
+    proc.terminate()
+    try:
+        return proc.wait(timeout=KILL_AFTER_S), True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(), True
 
 
 def report_lone_runs(text: str, paths: RunPaths) -> None:
