@@ -336,11 +336,12 @@ class Infer:
         fmt="auto or a size like 70GiB, optionally ',cpu=SIZE'"))
     engine: Literal["slots", "batches"] = field(default="slots", metadata=meta(
         "generate: slots (a static KV cache of batch_size slots, the decode step compiled and captured as a CUDA graph on a GPU, a "
-        "row's slot refilled as soon as it ends; a model it does not take runs on batches, with a log line "
+        "finished row's slot refilled while the other rows decode; a model it does not take runs on batches, with a log line "
         "saying why) or batches (model.generate a batch at a time); score runs on batches"))
     refill: bool = field(default=True, metadata=meta(
-        "engine slots: a finished row's slot takes the next row at once; false: new rows only once every "
-        "slot is free (a fixed batch, for comparison)"))
+        "engine slots: once 1/8 of the slots (at least one) are free, the next rows are prefilled into them "
+        "while the other rows go on decoding; false: new rows only once every slot is free (a fixed batch, "
+        "for comparison)"))
     kv_cache: Literal["dynamic", "static"] = field(default="dynamic", metadata=meta(
         "engine batches: generate's KV cache: dynamic (grows with the batch) or static (transformers' "
         "preallocated cache, sized by the first batch, the longest)"))

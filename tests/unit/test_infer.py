@@ -170,7 +170,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "stopB": infer_spec("greedy", data),
         # one model copy over both "GPUs" (gpus_per_replica 2): one rank, as one replica of one GPU
         "greedy1": infer_spec("greedy", data, resources={"gpus": 2}, infer={"gpus_per_replica": 2}),
-        "static1": infer_spec("greedy", data, resources={"gpus": 1}, infer={"kv_cache": "static"}),
+        "static1": infer_spec("greedy", data, resources={"gpus": 1}, infer={"kv_cache": "static", "engine": "batches"}),
         "sample2": infer_spec("sample", data, infer={"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}),
         "sample1": infer_spec("sample", data, resources={"gpus": 1},
                               infer={"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 7}),
@@ -229,7 +229,9 @@ def test_two_replicas_and_one_give_the_same_greedy_outputs(world: dict, greedy2:
 
 def test_a_static_kv_cache_gives_the_dynamic_caches_outputs(world: dict, greedy2: Path) -> None:
     ok(world["results"]["static1"])
-    static = outputs(run_dir(world["folders"]["static1"], "greedy"))
+    run = run_dir(world["folders"]["static1"], "greedy")
+    assert [r["engine"] for r in records(run, "engine")] == ["batches"]  # kv_cache is the batch engine's
+    static = outputs(run)
     dynamic = outputs(greedy2)
     assert [r["id"] for r in static] == [r["id"] for r in dynamic]
     # fp32 on the CPU: the same tokens, up to a rare near-tie flipped by another summation order
