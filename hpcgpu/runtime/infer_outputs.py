@@ -118,8 +118,8 @@ def done_rows(paths: RunPaths, rows: Sequence[Row]) -> set[int]:
 
 
 class ReplicaWriter:
-    """Appends one replica's rows, a batch at a time: one write, flushed and fsynced, so that a batch
-    reported done is on disk."""
+    """Appends one replica's rows, a group at a time (a batch, or the rows the slot engine finished since
+    the last write): one write, flushed and fsynced, so that a row reported done is on disk."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,25 +2,24 @@
 
 One rank is one replica: a whole copy of the model on its GPU (or a CPU rank). Every replica reads the
 whole input, tokenizes it, sorts the rows by (token length, input position) and cuts them into the same
-batches of the run plan's batch size. The batches, longest first, are a queue that the replicas take
-from one at a time (WorkQueue: an atomic counter in the process group's store), so a replica that
-runs faster (another card, a less busy host, shorter batches) takes more of them and all end within
-a batch of each other. The batches (and so every output, greedy or sampled: sampling is seeded per
-batch from (infer.seed, batch number)) do not depend on the replica count or on which replica runs
-which batch: 1 and 2 replicas give the same outputs.jsonl, bit for bit on CPU.
+chunks: a batch of the run plan's batch size (engine batches) or a quarter of its slots (engine slots,
+runtime/slots.py). The chunks, longest first, are a queue that the replicas take from one at a time
+(WorkQueue: an atomic counter in the process group's store), so a replica that runs faster takes more
+of them and all end close together. No output depends on the replica count or on which replica runs
+which row (sampling is seeded per batch on the batch engine, per row on the slot engine): 1 and 2
+replicas give the same outputs.jsonl, bit for bit on CPU.
 
-Each replica appends the rows of a batch to outputs/replica-N.jsonl (runtime/infer_outputs.py) and
-adds its rows and tokens to counters in the same store; rank 0's progress line reads them. A replica
-that gets the stop signal raises a stop flag there and takes no further batch; the others see the
-flag before taking their next one, so each stops after its current batch. On a stop (the preemption
-signal, SIGTERM, Ctrl-C) rank 0 requeues and every rank exits 75, as train does after its
-checkpoint; the rows written are the checkpoint. A run where every batch ran is finished, a signal
-during the last batches or not. A resumed job skips every row
-the checkpoint. A resumed job skips every row
-some replica wrote (any replica count: all the replica files are read), redoes a batch only partly
-written (a kill -9) whole and writes just its missing rows: never a duplicate, never a dropped row.
-At the end rank 0 merges the replica files into outputs.jsonl, in input order, and marks the run
-FINISHED.
+Each replica appends its finished rows to outputs/replica-N.jsonl (runtime/infer_outputs.py; the slot
+engine every STORE_EVERY_S, the batch engine a batch at a time) and adds its rows and tokens to counters
+in the same store; rank 0's progress line reads them. A replica that gets the stop signal raises a stop
+flag there and takes no further chunk; the others see the flag and stop too: the batch engine after its
+current batch, the slot engine after its current decode call, dropping the rows still in its slots. On
+a stop (the preemption signal, SIGTERM, Ctrl-C) rank 0 requeues and every rank exits 75, as train does
+after its checkpoint; the rows written are the checkpoint. A run where every row was written is
+finished, a signal during the last rows or not. A resumed job skips every row some replica wrote (any
+replica count: all the replica files are read) and runs the rest, a chunk only partly written (a kill
+-9) included: never a duplicate, never a dropped row. At the end rank 0 merges the replica files into
+outputs.jsonl, in input order, and marks the run FINISHED.
 
 Records (one JSON object a line):
     generate  {"id", "index", "text", "prompt_tokens", "completion_tokens", "finish_reason"}
@@ -668,8 +667,9 @@ def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int,
 
 @dataclass
 class ReplicaTimes:
-    """Where one replica's loop time went: running batches (the first, cold one also on its own),
-    writing them, and waiting at the end for the replicas still running their last batch."""
+    """Where one replica's loop time went: running its chunks (batches, or the slot engine's rows; the
+    first, cold one also on its own), writing them, and waiting at the end for the replicas still
+    running their last rows."""
 
     batches_s: float = 0.0
     first_batch_s: float = 0.0
