@@ -17,6 +17,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
               "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 WIDER_GPT2 = {**TINY_GPT2, "n_layer": 2, "n_embd": 64}  # big enough for the checkpoint's ratio to mean something
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0}
+DROPOUT_CKPT: dict[str, Any] = {"lora": {"dropout": 0.1}, "gradient_checkpointing": True}
 
 
 def lora_spec(name: str, **extra: Any) -> dict:
@@ -38,6 +39,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                            train={"max_steps": 4}),
         "llama": merge(lora_spec("llama", merge=True), {"model": {"config": dict(TINY_LLAMA)},
                                                        "resources": {"gpus": 1}}),
+        # what a user's run has and the rank comparison cannot: dropout draws, recomputed activations
+        "lorad": lora_spec("lorad", **DROPOUT_CKPT),
     }
     folders = {key: tmp_path_factory.mktemp(key) for key in specs}
     paths = {key: (write_spec_file(folders[key], spec), ()) for key, spec in specs.items()}
@@ -45,9 +48,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for key, proc in results.items():
         assert proc.returncode == 0, (key, proc.stderr[-3000:])
     out = {key: run_dir_of(folders[key]) for key in specs}
-    # the same run as lora2, stopped by its preemption signal after step 4, then resumed
+    # the same run as lorad, stopped by its preemption signal after step 4, then resumed
     folder = tmp_path_factory.mktemp("resumed")
-    path = write_spec_file(folder, lora_spec("lora2", merge=True))
+    path = write_spec_file(folder, lora_spec("lorad", **DROPOUT_CKPT))
     first = submit(path, env=job_env(HPCGPU_SIGNAL_AT="3"), timeout=120)
     assert first.returncode == 75, first.stderr[-3000:]
     out["stopped_checkpoint"] = max((run_dir_of(folder) / "checkpoints").glob("step-*"))
@@ -79,8 +82,12 @@ def test_lora_learns_and_ranks_do_not_change_the_curve(runs: dict) -> None:
 
 
 def test_a_preempted_lora_run_resumes_bitwise_from_a_small_checkpoint(runs: dict) -> None:
-    assert step_losses(runs["resumed"]) == step_losses(runs["lora2"])
-    a, b = adapter(runs["resumed"]), adapter(runs["lora2"])
+    """With LoRA dropout and gradient checkpointing on, 2 ranks: the resumed run draws the same masks."""
+    plan = json.loads((runs["resumed"] / "plan.json").read_text())["train"]
+    assert plan["gradient_checkpointing"] is True and plan["adapter"]["dropout"] == 0.1, plan
+    assert step_losses(runs["resumed"]) == step_losses(runs["lorad"])
+    assert step_losses(runs["lorad"]) != step_losses(runs["lora2"])  # the dropout draws count
+    a, b = adapter(runs["resumed"]), adapter(runs["lorad"])
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     # the checkpoint holds the adapters and their optimizer state, not the frozen base
     import torch.distributed.checkpoint as dcp
