@@ -144,6 +144,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
 
 
 STOP_MARGIN_S = 10.0  # before SLURM's kill: time for rank 0 to ask the controller and requeue
+MIN_ALLOWANCE_S = 10.0  # a lead of a few seconds (TERM@0) still leaves the program time to save
 KILL_AFTER_S = 5.0  # SIGTERM, then SIGKILL
 
 
@@ -151,7 +152,7 @@ def stop_allowance_s(spec: Spec) -> float:
     """How long a program may go on after the stop signal: slurm.signal's lead (the time SLURM gives
     before its kill) less a margin, so that the job is still there to be requeued."""
     lead = float(signal_lead_s(spec))
-    return lead - min(STOP_MARGIN_S, lead / 4)
+    return max(MIN_ALLOWANCE_S, lead - min(STOP_MARGIN_S, lead / 4))
 
 
 def wait_for_program(proc: subprocess.Popen, received: list[int], allowance_s: float,
