@@ -354,3 +354,13 @@ def test_command_ranks_get_a_thread_cap_unless_the_user_set_one(tmp_path: Path, 
                          need_data=False)
     out = command_env(spec, tmp_path / "spec.yaml", RunPaths(tmp_path), env)
     assert out["OMP_NUM_THREADS"] == "3" and out["MKL_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("signal_spec, allowed", [("USR2@120", 110), ("B:USR1@60", 50), ("USR2@16", 12), ("TERM@0", 10)])
+def test_a_command_program_gets_the_signal_s_lead_less_a_margin_to_stop(signal_spec: str, allowed: float) -> None:
+    """As docs/preemption.md gives them: 10 s before SLURM's kill, a quarter of a short lead, 10 s at least."""
+    from hpcgpu.runtime.tasks.command import stop_allowance_s
+    from hpcgpu.spec import spec_from_raw
+
+    spec = spec_from_raw({"name": "c", "task": "command", "command": ["true"], "slurm": {"signal": signal_spec}})
+    assert stop_allowance_s(spec) == allowed
