@@ -441,10 +441,18 @@ def linear_layer_names(cfg: Mapping[str, Any]) -> list[str] | None:
     return sorted(names)
 
 
-def unknown_targets_problem(targets: list[str], names: list[str], model_type: str) -> str | None:
+def unknown_targets_problem(targets: list[str], names: list[str], model_type: str,
+                            paths: list[str] | None = None) -> str | None:
     """The one line refusing target_modules that name no linear layer (`names`, the last parts of their
-    paths): the job's (runtime/lora.check_targets) and the host's (launch/checks.py), one text."""
-    unknown = [t for t in targets if t not in names]
+    paths): the job's (runtime/lora.check_targets) and the host's (launch/checks.py), one text. A dotted
+    name (`attn.c_attn`, which peft takes as a path's ending) is checked against the layers' `paths`
+    where the job has them, by its last part on the host."""
+    def known(target: str) -> bool:
+        if "." in target and paths is not None:
+            return any(_matches(path, target) for path in paths)
+        return target.rsplit(".", 1)[-1] in names
+
+    unknown = [t for t in targets if not known(t)]
     if not unknown:
         return None
     return (f"train.lora.target_modules: {', '.join(unknown)} is not a linear layer of this {model_type} model; "

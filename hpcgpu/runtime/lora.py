@@ -39,19 +39,23 @@ def add_adapters(model: Any, lora: Lora) -> Any:
         return get_peft_model(model, config)
 
 
-def linear_names(model: torch.nn.Module) -> list[str]:
-    """The names (last part) of the layers LoRA can adapt: nn.Linear and GPT-2's Conv1D."""
+def linear_paths(model: torch.nn.Module) -> list[str]:
+    """The paths of the layers LoRA can adapt: nn.Linear and GPT-2's Conv1D."""
     from transformers.pytorch_utils import Conv1D
 
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if name and isinstance(module, (torch.nn.Linear, Conv1D))})
+    return [name for name, module in model.named_modules() if name and isinstance(module, (torch.nn.Linear, Conv1D))]
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The names (last part) of the layers LoRA can adapt."""
+    return sorted({name.rsplit(".", 1)[-1] for name in linear_paths(model)})
 
 
 def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
     """The job's check of target_modules, for what the host could not read first (a hub id's model, a
     family outside LINEAR_NAMES): launch/checks.py refuses the same names in the same line."""
     kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    problem = unknown_targets_problem(targets, linear_names(model), kind)
+    problem = unknown_targets_problem(targets, linear_names(model), kind, linear_paths(model))
     if problem:
         raise HpcgpuError(problem)
 

@@ -449,7 +449,7 @@ def test_lora_targets_the_model_has_pass_without_torch_and_the_rest_is_left_to_t
     probe = ("import sys\nfrom hpcgpu.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
              "    code = exc.code\nprint('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules),"
              " 'CODE=' + str(code), file=sys.stderr)\n")
-    spec = write(tmp_path, lora_doc(tmp_path, ["c_attn", "c_proj", "lm_head"]))
+    spec = write(tmp_path, lora_doc(tmp_path, ["attn.c_attn", "c_proj", "lm_head"]))  # peft takes a path's end
     done = subprocess.run([sys.executable, "-c", probe, "validate", str(spec)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
     assert "HEAVY= CODE=0" in done.stderr, done.stderr

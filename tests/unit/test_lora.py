@@ -209,6 +209,13 @@ def test_the_host_refuses_a_missing_lora_target_in_the_job_s_line_for_every_fami
     assert str(job.value) == lora_targets_problem(spec) == (
         "train.lora.target_modules: q_proj is not a linear layer of this gpt2 model; its linear layers: "
         "c_attn, c_fc, c_proj, lm_head")
+    # a dotted name is a path's ending, as peft reads it: taken where it ends a layer's path
+    from hpcgpu.runtime.lora import check_targets
+
+    model = build_model(spec, 0)
+    check_targets(model, ["attn.c_attn", "mlp.c_proj"])
+    with pytest.raises(HpcgpuError, match=r"mlp\.c_attn is not a linear layer"):
+        check_targets(model, ["mlp.c_attn"])
 
 
 def test_validate_refuses_quantization_without_a_gpu_before_any_job(tmp_path: Path) -> None:
