@@ -111,4 +111,4 @@ def test_a_program_that_does_not_stop_after_the_signal_is_ended_and_the_job_requ
     # other rank's program before its own wrapper's allowance is up
     assert "rank 0: the program is still running 12s after the stop signal (SIGUSR2)" in out \
         or "rank 1: the program is still running 12s after the stop signal (SIGUSR2)" in out, out
-    assert "ended by hpcgpu" in out and "a crash" not in out, out
+    assert "requeued job" in out and "a crash" not in out, out
