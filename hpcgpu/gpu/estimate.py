@@ -430,7 +430,9 @@ def linear_layer_names(cfg: Mapping[str, Any]) -> list[str] | None:
     family outside LINEAR_NAMES, a multimodal config (its other towers have layers of their own)."""
     mtype = cfg.get("model_type")
     # gpt_neox's head is embed_out before transformers 5 and lm_head since: not certain here
-    if not isinstance(mtype, str) or mtype not in LINEAR_NAMES or mtype == "gpt_neox" or "text_config" in cfg:
+    # auto_map: the folder's own modelling code (trust_remote_code), whose layers may be named otherwise
+    if (not isinstance(mtype, str) or mtype not in LINEAR_NAMES or mtype == "gpt_neox" or "text_config" in cfg
+            or "auto_map" in cfg):
         return None
     names = {n.split(":")[0].rsplit(".", 1)[-1] for n in LINEAR_NAMES[mtype]} | {"lm_head"}
     # layers a config option adds: GPT-2's cross-attention, OPT's projections around a narrower embedding

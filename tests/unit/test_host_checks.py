@@ -460,7 +460,9 @@ def test_lora_targets_the_model_has_pass_without_torch_and_the_rest_is_left_to_t
                                         r"model; its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj"):
         checks.check_host(load_spec(write(tmp_path, lora_doc(tmp_path, ["c_attn"], name_or_path=str(folder)))))
     # a family whose layer names the host does not know, a multimodal config, a hub id: the job decides
+    remote = {**TINY, "model_type": "llama", "auto_map": {"AutoModelForCausalLM": "modeling.Mine"}}
     for model in ({"config": {**TINY, "model_type": "falcon"}}, {"config": {**TINY, "text_config": dict(TINY)}},
+                  {"config": remote},
                   {"name_or_path": "gpt2"}):
         assert checks.lora_targets_problem(load_spec(write(tmp_path, lora_doc(tmp_path, ["nope"], **model)))) is None
 
