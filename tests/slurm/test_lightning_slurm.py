@@ -45,7 +45,8 @@ def test_the_bug_report_model_runs_as_one_job_of_the_allocation(slurm, nodes: in
 def test_a_preempted_lightning_job_resumes_from_its_checkpoint_with_one_requeue(slurm) -> None:
     """slurm.signal USR1 (Lightning's requeue signal): its handler runs once, saves hpc_ckpt_1.ckpt in
     the run dir and requeues the job; hpcgpu reports the requeue (not a failure) and requeues nothing itself;
-    the next run resumes from the checkpoint and completes."""
+    the next run resumes from the checkpoint and completes. Where Lightning's own barrier race hangs its
+    handler instead, hpcgpu ends the program and requeues: one requeue, COMPLETED, either way."""
     doc = lightning_spec("plpre", "preemptible.py", slurm.tmp, 1, slurm={"signal": "B:USR1@60"})
     # 48 steps of 0.4 s. Long sleeps between steps keep Lightning's own race rare: its handler saves with
     # a barrier, so a signal that finds one rank waiting in the all-reduce (the other rank's step
@@ -62,16 +63,21 @@ def test_a_preempted_lightning_job_resumes_from_its_checkpoint_with_one_requeue(
     info = slurm.wait(job, timeout=240, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     out = slurm.job_output(run_dir, job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
-    # one copy of the signal reaches the program: Lightning saves once (a second copy re-enters its
-    # handler, which deadlocks in the TensorBoard logger's flush)
-    assert [p.name for p in run_dir.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"], out
-    assert slurm.job_output(run_dir, job).count("Handling auto-requeue signal") == 1, out
     first = [json.loads(p.read_text()) for p in sorted(slurm.tmp.glob("rank*-run0.json"))]
     assert not first, "the first run was to be stopped before its end"
     again = [json.loads(p.read_text()) for p in sorted(slurm.tmp.glob("rank*-run1.json"))]
     assert [r["world_size"] for r in again] == [2, 2], out
-    assert all(r["ckpt_path"] and "hpc_ckpt" in r["ckpt_path"] and r["start_step"] > 0 for r in again), again
     assert all(r["end_step"] == 48 for r in again), again  # 3 epochs of 64 rows, batch 2, over 2 ranks
-    assert "requeued from outside" in out and "requeued job" not in out, out
     view = slurm.status(job)
     assert view["state"] == "COMPLETED", view
+    if "the program is still running" in out:
+        # Lightning's own race (docs/frameworks.md): its handler hung in its barrier; hpcgpu ended the
+        # program 50 s after the signal and requeued the job, which went on from what was saved
+        assert "requeued job" in out, out
+        return
+    # one copy of the signal reaches the program: Lightning saves once (a second copy re-enters its
+    # handler, which deadlocks in the TensorBoard logger's flush)
+    assert [p.name for p in run_dir.glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"], out
+    assert slurm.job_output(run_dir, job).count("Handling auto-requeue signal") == 1, out
+    assert all(r["ckpt_path"] and "hpc_ckpt" in r["ckpt_path"] and r["start_step"] > 0 for r in again), again
+    assert "requeued from outside" in out and "requeued job" not in out, out
