@@ -31,7 +31,8 @@ from hpcgpu.gpu.estimate import (INFER_BATCH_CAP, INFER_FORMATS, REPLICA_WIDTHS,
                                  auto_infer_batch, count_params, dims_from_config, estimate, fewest_gpus_per_replica,
                                  fits, fmt_bytes, infer_dims, infer_split_estimate, infer_split_max_batch,
                                  max_micro_batch, offloaded_bytes, parse_max_memory, parse_size, plan_strategy,
-                                 replica_fits, spec_weights_format, usable_bytes, weight_bytes, with_checkpointing)
+                                 replica_fits, spec_weights_format, usable_bytes, weight_bytes, why_batches,
+                                 with_checkpointing)
 from hpcgpu.gpu.recommend import (Checkpointing, Method, Recommendation, compiled_step, fine_tuning_methods,
                                   lighter_method, method_recommendation, recommend_for_job)
 from hpcgpu.infer_rows import read_rows
@@ -252,7 +253,7 @@ class InferSetup:
     cpu: int  # CPU memory for offloaded weights (max_memory's cpu=), 0: none
     gpus: int  # resources.gpus: GPUs per node
     nodes: int
-    config: Any = None  # the model's config: which engine a row runs on (runtime/slots.py why_batches)
+    config: Any = None  # the model's config: which engine a row runs on (gpu/estimate.py why_batches)
     engine: str = "slots"  # infer.engine
 
     def replicas(self, g: int) -> int | None:
@@ -290,8 +291,6 @@ def width_row(s: InferSetup, fmt: str, g: int) -> dict[str, Any]:
 
 def row_engine(s: InferSetup, fmt: str, g: int, offloaded: int) -> str:
     """The engine the job runs a copy of this format and placement on: its batch cap differs."""
-    from hpcgpu.runtime.slots import why_batches  # torch: count_params has loaded it already
-
     quantization = fmt if fmt in ("int8", "int4") else "none"
     devices = g + (1 if offloaded else 0)
     return "batches" if why_batches(s.mode, s.engine, s.config, quantization, s.prompt + s.new, devices) else "slots"

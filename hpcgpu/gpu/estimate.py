@@ -772,6 +772,39 @@ def rows_room(free: int, cap_left: int | None = None) -> int:
     return max(0, room if cap_left is None else min(room, cap_left))
 
 
+SLOT_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral")  # the slot engine (runtime/slots.py) was checked with these
+
+
+def why_batches(mode: str, setting: str, config: Any, quantization: str, width: int, devices: int = 1) -> str | None:
+    """Why a run takes the batch engine (one short clause for the log), or None: the slot engine. The
+    job asks it of the loaded model (runtime/tasks/infer.py pick_engine), `hpcgpu estimate` of the spec's
+    config and each table row's placement, so the two show the same engine and the same auto batch."""
+    from transformers import cache_utils
+
+    if mode == "score":
+        return "score mode: one forward a batch"
+    if setting == "batches":
+        return "infer.engine: batches"
+    if devices > 1:
+        return f"the model copy is split over {devices} devices (accelerate's hooks)"
+    if quantization != "none":
+        return f"{quantization} weights (bitsandbytes)"
+    if not hasattr(cache_utils, "CacheLayerMixin"):
+        return "this transformers has no cache layer API (4.56 or newer has)"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model"
+    kind = getattr(config, "model_type", None)
+    if kind not in SLOT_MODEL_TYPES:
+        return f"model type {kind!r} is not one it was checked with ({', '.join(SLOT_MODEL_TYPES)})"
+    attn = getattr(config, "_attn_implementation", None) or "eager"
+    if attn not in ("sdpa", "eager"):
+        return f"attention {attn!r} takes no 4D mask"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < width:
+        return f"sliding-window attention ({window} tokens, shorter than the rows' {width})"
+    return None
+
+
 def infer_batch_limit(mode: str, rows: int | None = None, engine: str = "slots",
                       replicas: int = 1) -> tuple[int, str]:
     """The most rows batch_size: auto puts in a batch (slots: in the slots) for `rows` rows (None: not

@@ -117,9 +117,10 @@ def load_adapter(base: Any, adapter: str, merge: bool) -> Any:
     return model.merge_and_unload() if merge else model
 
 
-def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path) -> None:
-    """merged/: the base with the adapters merged in, in the base's own dtype. A saved base is loaded
-    again from its folder (never merged from 4-bit weights); a model.config base is this run's, in memory."""
+def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path, tokenizer: Any = None) -> None:
+    """merged/: the base with the adapters merged in, in the base's own dtype, with the run's tokenizer
+    (a model `task: infer` takes as it is). A saved base is loaded again from its folder (never merged
+    from 4-bit weights); a model.config base is this run's, in memory."""
     if spec.model.name_or_path:
         from transformers import AutoModelForCausalLM
 
@@ -129,3 +130,5 @@ def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path) -> N
         merged = peft_model.merge_and_unload()
     with folder_written_whole(out) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)

@@ -39,7 +39,6 @@ from hpcgpu.runtime.watchdog import beat
 log = logging.getLogger("hpcgpu")
 
 # architectures whose decode the tests check token for token against model.generate
-SLOT_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral")
 WIDTH_BUCKET = 64  # cache columns rounded up to this: aligned rows for the attention kernels
 PREFILL_TOKENS = 16384  # padded tokens of one prefill forward at most: bounds its activations
 SYNC_STEPS = {"cuda": 8, "cpu": 1}  # decode steps per replay between two looks from the host
@@ -58,36 +57,6 @@ except ImportError:  # torch without flex_attention
 
 
 # ---------------------------------------------------------------- which models
-
-def why_batches(mode: str, setting: str, config: Any, quantization: str, width: int, devices: int = 1) -> str | None:
-    """Why a run takes the batch engine (one short clause for the log), or None: the slot engine. The
-    job asks it of the loaded model (infer.pick_engine), `hpcgpu estimate` of the spec's config and
-    each table row's placement, so the two show the same engine and the same auto batch."""
-    from transformers import cache_utils
-
-    if mode == "score":
-        return "score mode: one forward a batch"
-    if setting == "batches":
-        return "infer.engine: batches"
-    if devices > 1:
-        return f"the model copy is split over {devices} devices (accelerate's hooks)"
-    if quantization != "none":
-        return f"{quantization} weights (bitsandbytes)"
-    if not hasattr(cache_utils, "CacheLayerMixin"):
-        return "this transformers has no cache layer API (4.56 or newer has)"
-    if getattr(config, "is_encoder_decoder", False):
-        return "an encoder-decoder model"
-    kind = getattr(config, "model_type", None)
-    if kind not in SLOT_MODEL_TYPES:
-        return f"model type {kind!r} is not one it was checked with ({', '.join(SLOT_MODEL_TYPES)})"
-    attn = getattr(config, "_attn_implementation", None) or "eager"
-    if attn not in ("sdpa", "eager"):
-        return f"attention {attn!r} takes no 4D mask"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < width:
-        return f"sliding-window attention ({window} tokens, shorter than the rows' {width})"
-    return None
-
 
 def view_widths(width: int) -> list[int]:
     """The view widths decode steps are captured at (VIEWS of them at most, multiples of

@@ -189,7 +189,7 @@ def test_the_estimate_shows_the_batch_the_job_picks(tmp_path, monkeypatch, mode:
 def test_each_row_shows_the_engine_the_job_runs_it_on_and_its_auto_cap(tmp_path):
     """A small model on an 80 GB card fits more rows than any cap: a bfloat16 copy on one GPU runs on
     the slot engine (512 slots), an int4 copy or a copy split over 2 GPUs on batches (256 rows), as the
-    job decides it (runtime/slots.py why_batches); infer.engine: batches puts every row there."""
+    job decides it (gpu/estimate.py why_batches); infer.engine: batches puts every row there."""
     small = {**LLAMA_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024}
     formats = {f["weights_format"]: f for f in

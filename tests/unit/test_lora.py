@@ -239,9 +239,8 @@ def test_infer_with_the_adapter_on_its_base_gives_the_merged_model_s_outputs(run
     spec = spec_from_raw(yaml.safe_load((run_dir / "spec.yaml").read_text()), need_data=False)
     base_dir, merged_dir = tmp_path / "base", tmp_path / "merged"
     build_model(spec, spec.train.seed).save_pretrained(base_dir)  # the run's base, as trained (CPU, seeded)
-    shutil.copytree(run_dir / "merged", merged_dir)
-    for folder in (base_dir, merged_dir):  # the run's byte tokenizer, beside each model
-        shutil.copy(run_dir / "model" / "hpcgpu_tokenizer.json", folder)
+    shutil.copytree(run_dir / "merged", merged_dir)  # with the run's tokenizer: it runs as it is
+    shutil.copy(run_dir / "model" / "hpcgpu_tokenizer.json", base_dir)  # the base saved here has none
     rows = tmp_path / "prompts.jsonl"
     rows.write_text("".join(json.dumps({"id": i, "prompt": f"def f{i}(x):"}) + "\n" for i in range(6)))
 

@@ -138,7 +138,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         return code
     # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
-    note = StopNote({}, f"the program ended with code {code} after the stop signal" + (
+    note = StopNote({}, f"the program exited with code {code} after the stop signal" + (
         f", ended by hpcgpu: it was still running {stop_allowance_s(spec):.0f}s after it" if ended_by_us else ""))
     return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from hpcgpu.contract import ENV_GPU_MEMORY, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
-                                 infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room)
+                                 infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room, why_batches)
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.infer_rows import Row, read_rows, rows_fit_problem
 from hpcgpu.runtime import infer_outputs as outputs
@@ -510,8 +510,8 @@ def pick_engine(spec: Spec, model: Any, ids: list[list[int]]) -> str | None:
     """Why this run takes the batch engine (None: the slot engine), as one clause for the log."""
     inf = spec.infer
     width = slot_engine.cache_width(ids, inf.max_new_tokens)
-    return slot_engine.why_batches(inf.mode, inf.engine, model.config, spec.model.quantization, width,
-                                   slot_engine.devices_of(model))
+    return why_batches(inf.mode, inf.engine, model.config, spec.model.quantization, width,
+                       slot_engine.devices_of(model))
 
 
 # ---------------------------------------------------------------- plan

@@ -802,7 +802,7 @@ def save_final_model(ctx: Context, tr: Trainer) -> Path:
                 tr.tokenizer.save_pretrained(tmp)
         log.info(f"saved the final {'LoRA adapter' if lora else 'model'} to {out}")
         if lora and tr.spec.train.merge:
-            write_merged(tr.spec, tr.raw_model, out, ctx.run_dir / "merged")
+            write_merged(tr.spec, tr.raw_model, out, ctx.run_dir / "merged", tr.tokenizer)
             log.info(f"saved the base with the adapter merged in to {ctx.run_dir / 'merged'}")
     ctx.barrier()
     return out
