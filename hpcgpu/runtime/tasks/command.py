@@ -96,6 +96,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     proc: subprocess.Popen | None = None
 
     relay = not launcher_signals_the_program(env)
+    allowance = stop_allowance_s(spec)
 
     def forward(signum: int, frame: FrameType | None) -> None:
         # once per signal: under `scancel --full` it reaches us from SLURM and from the batch script
@@ -119,7 +120,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         # local rank 0 of each node samples the node's GPUs while the program runs, as for train
         with GpuMonitor(paths.run_dir, env.local_rank, spec.monitor.interval_s, node_rank=env.node_rank,
                         enabled=spec.monitor.enabled):
-            code, ended_by_us = wait_for_program(proc, received, stop_allowance_s(spec), env)
+            code, ended_by_us = wait_for_program(proc, received, allowance, env)
         told_to_stop = bool(received)  # before the program ended: a signal after it is not why it ended
         if code != 0 and not received:  # it may have ended of SLURM's own copy of a stop signal
             wait_for_our_copy(received)
@@ -139,7 +140,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     # the program was told to stop (preemption/timeout): rank 0 requeues, capped; a program that
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
     note = StopNote({}, f"the program exited with code {code} after the stop signal" + (
-        f", ended by hpcgpu: it was still running {stop_allowance_s(spec):.0f}s after it" if ended_by_us else ""))
+        f", ended by hpcgpu: it was still running {allowance:.0f}s after it" if ended_by_us else ""))
     return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
 
 
