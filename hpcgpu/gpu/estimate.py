@@ -772,7 +772,8 @@ def rows_room(free: int, cap_left: int | None = None) -> int:
     return max(0, room if cap_left is None else min(room, cap_left))
 
 
-SLOT_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral")  # the slot engine (runtime/slots.py) was checked with these
+# architectures whose slot-engine decode (runtime/slots.py) the tests check token for token against generate
+SLOT_MODEL_TYPES = ("llama", "gpt2", "qwen2", "mistral")
 
 
 def why_batches(mode: str, setting: str, config: Any, quantization: str, width: int, devices: int = 1) -> str | None:

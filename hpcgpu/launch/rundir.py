@@ -191,7 +191,7 @@ def resume_text(run_dir: Path, spec: Spec) -> str:
     if steps:
         text += f" from step {max(steps)}"
     ran_at, _ = recorded_width(run_dir)
-    now = spec.resources.nodes * spec.resources.gpus
+    now = spec.world_size  # ranks, as plan.json records them
     if spec.task == "train" and ran_at is not None and ran_at != now:
         text += f" at {now} GPUs (it ran at {ran_at}; the global batch stays {spec.train.global_batch_size})"
     return text + " (same spec; --new starts afresh)"
@@ -211,7 +211,7 @@ def check_width(run_dir: Path, spec: Spec) -> None:
     FSDP go on at any width): refused here, before the spec is rewritten or a job waits in the queue
     for the refusal the job itself would give (runtime/plan.py check_recorded)."""
     ran_at, strategy = recorded_width(run_dir)
-    now = spec.resources.nodes * spec.resources.gpus
+    now = spec.world_size  # ranks, as plan.json records them
     if spec.task == "train" and strategy == "deepspeed" and ran_at is not None and ran_at != now:
         raise SpecError("resources", f"the unfinished run {run_dir} trained with DeepSpeed at {ran_at} GPU(s), and its "
                         f"partitioned checkpoint resumes only at that width, not at {now}: give it {ran_at} GPUs "

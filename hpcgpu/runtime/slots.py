@@ -38,7 +38,6 @@ from hpcgpu.runtime.watchdog import beat
 
 log = logging.getLogger("hpcgpu")
 
-# architectures whose decode the tests check token for token against model.generate
 WIDTH_BUCKET = 64  # cache columns rounded up to this: aligned rows for the attention kernels
 PREFILL_TOKENS = 16384  # padded tokens of one prefill forward at most: bounds its activations
 SYNC_STEPS = {"cuda": 8, "cpu": 1}  # decode steps per replay between two looks from the host
