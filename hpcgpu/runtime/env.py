@@ -16,7 +16,36 @@ from hpcgpu.errors import EnvironmentError_
 from hpcgpu.gpu import nvml
 from hpcgpu.hostlist import expand_hostlist, port_for_job
 
-LAUNCHERS = ("slurm", "local", "torchrun", "single")
+@dataclass(frozen=True)
+class Launcher:
+    """What started the ranks, as what it allows a stopping job to do (asked by runtime/requeue.py and
+    the command task, never its name)."""
+
+    name: str
+    # SLURM's controller knows the job: it can be asked the job's state (scancel, `scontrol requeue`),
+    # requeues it, and signals hpcgpu's batch script too when the job is preempted or timed out
+    controller: bool = False
+    # every stop is the user's (Ctrl-C, SIGTERM, hpcgpu cancel): no time limit, no preemption
+    stops_are_interrupts: bool = False
+    # a stop signal reaches the user's program from the launcher itself (SLURM the whole step, the
+    # local executor each rank's process group), so the command task does not relay it
+    signals_the_program: bool = False
+
+
+SLURM = Launcher("slurm", controller=True, signals_the_program=True)
+LOCAL = Launcher("local", stops_are_interrupts=True, signals_the_program=True)
+TORCHRUN = Launcher("torchrun")
+SINGLE = Launcher("single")
+LAUNCHERS = {launcher.name: launcher for launcher in (SLURM, LOCAL, TORCHRUN, SINGLE)}
+
+
+def launcher_named(name: str) -> Launcher | None:
+    """HPCGPU_LAUNCHER's value -> its launcher; None when unset (found from the environment)."""
+    if not name:
+        return None
+    if name not in LAUNCHERS:
+        raise EnvironmentError_(f"HPCGPU_LAUNCHER={name!r}: expected one of {', '.join(LAUNCHERS)}")
+    return LAUNCHERS[name]
 
 
 @dataclass(frozen=True)
@@ -29,7 +58,7 @@ class DistEnv:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    launcher: str = "single"
+    launcher: Launcher = SINGLE
     job_id: str | None = None
     restart_count: int = 0
     array_job_id: str | None = None
@@ -89,17 +118,15 @@ class DistEnv:
         """gpus_per_task: GPUs one task spans (infer.gpus_per_replica); own_group: the task is to see
         only those (Spec.own_gpu_group); the group is bound later."""
         env = os.environ if environ is None else environ
-        launcher = env.get(ENV_LAUNCHER, "")
-        if launcher and launcher not in LAUNCHERS:
-            raise EnvironmentError_(f"HPCGPU_LAUNCHER={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
-        if launcher == "single":
-            out = cls(launcher="single", master_port=_port(env, None), visible_devices=_visible(env))
-        elif launcher in ("slurm", "local") or (not launcher and _in_slurm_step(env) and "RANK" not in env):
-            out = _from_slurm(env, launcher or "slurm")
-        elif launcher == "torchrun" or "RANK" in env and "WORLD_SIZE" in env:
+        launcher = launcher_named(env.get(ENV_LAUNCHER, "")) or _found_launcher(env)
+        if launcher in (SLURM, LOCAL):
+            out = _from_slurm(env, launcher)
+        elif launcher is TORCHRUN:
             out = _from_torchrun(env)
+        elif env.get(ENV_LAUNCHER):  # named single: a plain process whatever MASTER_ADDR says
+            out = cls(launcher=SINGLE, master_port=_port(env, None), visible_devices=_visible(env))
         else:
-            out = cls(launcher="single", master_port=_port(env, None), visible_devices=_visible(env),
+            out = cls(launcher=SINGLE, master_port=_port(env, None), visible_devices=_visible(env),
                       master_addr=env.get("MASTER_ADDR", "127.0.0.1"))
         if own_group or gpus_per_task > 1:
             out = dataclasses.replace(out, gpus_per_task=gpus_per_task, own_group=True)
@@ -159,6 +186,15 @@ def bind_gpu_group(env: DistEnv, environ: dict[str, str] | None = None,
     return dataclasses.replace(env, visible_devices=group)
 
 
+def _found_launcher(env: Mapping[str, str]) -> Launcher:
+    """The launcher of a rank HPCGPU_LAUNCHER does not name: srun, torchrun, or a plain process."""
+    if _in_slurm_step(env) and "RANK" not in env:
+        return SLURM
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return TORCHRUN
+    return SINGLE
+
+
 def _in_slurm_step(env: Mapping[str, str]) -> bool:
     # SLURM_STEP_ID is set under srun; the batch script alone has SLURM_PROCID=0 of a bigger job
     return "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env)
@@ -210,7 +246,7 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
     return _pick(env, *names)[1]
 
 
-def _from_slurm(env: Mapping[str, str], launcher: str) -> DistEnv:
+def _from_slurm(env: Mapping[str, str], launcher: Launcher) -> DistEnv:
     # Inside an srun step the SLURM_STEP_* variables describe the step, which may use only part of
     # the allocation; the job-wide ones come second (the local executor sets only those).
     world_var = _pick(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")[0]
@@ -273,7 +309,7 @@ def _from_torchrun(env: Mapping[str, str]) -> DistEnv:
         num_nodes=max(1, world // max(local_world, 1)),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=_port(env, None),
-        launcher="torchrun",
+        launcher=TORCHRUN,
         job_id=env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID"),
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", _int(env, "SLURM_RESTART_COUNT", 0)),
         visible_devices=_visible(env),

@@ -38,12 +38,12 @@ def stop_reason(spec: Spec, env: DistEnv) -> str:
     requeue` or SLURM's own preemption requeue already put it back), 'cancelled' (scancel),
     'preempted' (any other stop signal: SLURM's preemption, `scancel --signal`), 'interrupted' (local).
     Only rank 0 asks the controller; the others say 'preempted' or 'timeout'."""
-    if env.launcher == "local":
+    if env.launcher.stops_are_interrupts:
         return "interrupted"
     elapsed = job_elapsed_s()
     if elapsed is not None and elapsed >= time_limit_s(spec) - signal_lead_s(spec) - TIMEOUT_MARGIN_S:
         return "timeout"
-    if env.launcher == "slurm" and env.is_main and env.requeue_target:
+    if env.launcher.controller and env.is_main and env.requeue_target:
         state, restarts = job_view(env.requeue_target)
         if restarts is not None and restarts > env.restart_count:
             return "requeued"
@@ -96,7 +96,7 @@ def torn_down_by(spec: Spec, env: DistEnv, signum: int | None, run_dir: Path,
     if signum != signal.SIGTERM:
         return None
     deadline = time.monotonic() + wait_s
-    shell_sees_stops = env.launcher == "slurm" and ENV_JOB_START in os.environ \
+    shell_sees_stops = env.launcher.controller and ENV_JOB_START in os.environ \
         and signal_name(spec) != "TERM"
     while True:
         failure = peer_failure(env, run_dir)
@@ -115,7 +115,7 @@ def torn_down_by(spec: Spec, env: DistEnv, signum: int | None, run_dir: Path,
 
 def requeue(env: DistEnv, spec: Spec, reason: str) -> bool:
     """Rank 0 asks SLURM to requeue this job (array task aware), unless capped. True if requeued."""
-    if env.launcher != "slurm" or not env.is_main:
+    if not env.launcher.controller or not env.is_main:
         return False
     if reason == "requeued":
         log.info(f"{describe_stop(reason)}: it comes back on its own; not requeuing again")
@@ -160,7 +160,7 @@ def crash_retries_file(run_dir: Path) -> Path:
 
 def requeue_after_crash(env: DistEnv, spec: Spec, run_dir: Path) -> bool:
     """A crash is requeued only when the spec asks (slurm.max_retries), and at most that often."""
-    if spec.slurm.max_retries <= 0 or env.launcher != "slurm" or not env.is_main:
+    if spec.slurm.max_retries <= 0 or not env.launcher.controller or not env.is_main:
         return False
     path = crash_retries_file(run_dir)
     used = int(path.read_text()) if path.exists() and path.read_text().strip().isdigit() else 0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hpcgpu.errors import EnvironmentError_, HpcgpuError
 from hpcgpu.hostlist import port_for_job
+from hpcgpu.runtime import env as launchers
 from hpcgpu.runtime.env import DistEnv
 
 # srun -N1 --ntasks-per-node=4 --gpus-per-node=4, as task 2 sees it
@@ -38,12 +39,12 @@ TORCHRUN = {
 CASES = {
     "srun-1-node-4-tasks": (SRUN_1x4, dict(
         rank=2, local_rank=2, world_size=4, local_world_size=4, node_rank=0, num_nodes=1,
-        master_addr="gpu07", master_port=port_for_job("4242"), launcher="slurm", job_id="4242",
+        master_addr="gpu07", master_port=port_for_job("4242"), launcher=launchers.SLURM, job_id="4242",
         hosts=("gpu07",), visible_devices=("0", "1", "2", "3"), requeue_target="4242", is_main=False,
         distributed=True, restart_count=0)),
     "srun-2-nodes-rank-5": (SRUN_2x4, dict(
         rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1, num_nodes=2,
-        master_addr="gpu01", hosts=("gpu01", "gpu02"), launcher="slurm")),
+        master_addr="gpu01", hosts=("gpu01", "gpu02"), launcher=launchers.SLURM)),
     "srun-hetero-first-node": ({**SRUN_HETERO, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"},
                                dict(rank=1, local_rank=1, world_size=3, local_world_size=2, node_rank=0,
                                     num_nodes=2, master_addr="cn7")),
@@ -56,25 +57,27 @@ CASES = {
     "requeued-twice": ({**SRUN_1x4, "SLURM_RESTART_COUNT": "2"}, dict(restart_count=2, rank=2)),
     "torchrun": (TORCHRUN, dict(
         rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1, num_nodes=2,
-        master_addr="node-a", master_port=29400, launcher="torchrun", is_main=False, requeue_target=None)),
+        master_addr="node-a", master_port=29400, launcher=launchers.TORCHRUN, is_main=False, requeue_target=None)),
     # srun starts one torchrun per node; torchrun's own variables describe the rank
     "torchrun-inside-slurm": ({**SRUN_2x4, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
                                "SLURM_TASKS_PER_NODE": "1(x2)", **TORCHRUN, "MASTER_ADDR": "gpu01"},
                               dict(rank=3, local_rank=1, world_size=4, local_world_size=2, node_rank=1,
-                                   master_addr="gpu01", master_port=29400, launcher="torchrun",
+                                   master_addr="gpu01", master_port=29400, launcher=launchers.TORCHRUN,
                                    job_id="900123")),
     # the batch script itself (no srun): SLURM_PROCID=0 of an 8-task job, but it is one process
     "batch-script-without-srun": ({k: v for k, v in SRUN_2x4.items() if k != "SLURM_STEP_ID"}
                                   | {"SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0"},
-                                  dict(rank=0, world_size=1, local_world_size=1, launcher="single",
+                                  dict(rank=0, world_size=1, local_world_size=1, launcher=launchers.SINGLE,
                                        distributed=False, is_main=True)),
     "local-executor": ({"HPCGPU_LAUNCHER": "local", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
                         "SLURM_NTASKS": "3", "SLURM_TASKS_PER_NODE": "3", "SLURM_NNODES": "1",
                         "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "77",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "45678"},
-                       dict(rank=1, local_rank=1, world_size=3, local_world_size=3, launcher="local",
+                       dict(rank=1, local_rank=1, world_size=3, local_world_size=3, launcher=launchers.LOCAL,
                             master_addr="127.0.0.1", master_port=45678, job_id="77")),
-    "plain-process": ({}, dict(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher="single",
+    "single-named": ({"HPCGPU_LAUNCHER": "single", "MASTER_ADDR": "10.0.0.5"},
+                     dict(rank=0, world_size=1, launcher=launchers.SINGLE, master_addr="127.0.0.1")),
+    "plain-process": ({}, dict(rank=0, local_rank=0, world_size=1, local_world_size=1, launcher=launchers.SINGLE,
                                master_addr="127.0.0.1", master_port=29500, job_id=None, distributed=False,
                                is_main=True, visible_devices=None)),
 }
@@ -164,7 +167,7 @@ def test_local_executor_environment_round_trips(tmp_path: Path) -> None:
         environ = rank_environ(spec, rank, 3, "777", 23456, ["0", "1", "4"], tmp_path)
         env = DistEnv.from_environ(environ)
         assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (rank, rank, 3, 3)
-        assert (env.launcher, env.master_addr, env.master_port, env.job_id) == ("local", "127.0.0.1", 23456, "777")
+        assert (env.launcher, env.master_addr, env.master_port, env.job_id) == (launchers.LOCAL, "127.0.0.1", 23456, "777")
         assert env.visible_devices == ("0", "1", "4")
         assert env.device_index(3) == rank
 

@@ -195,7 +195,7 @@ def launcher_signals_the_program(env: DistEnv) -> bool:
     the local executor each rank's whole process group: the program has its own copy. A second one
     from us runs a handler that checkpoints and requeues (Lightning's) twice, the second inside the
     first, where Lightning's TensorBoard logger deadlocks."""
-    return env.launcher in ("slurm", "local")
+    return env.launcher.signals_the_program
 
 
 def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> subprocess.Popen:
