@@ -35,7 +35,7 @@ from hpcgpu.gpu.estimate import (INFER_BATCH_CAP, INFER_FORMATS, REPLICA_WIDTHS,
                                  with_checkpointing)
 from hpcgpu.gpu.recommend import (Checkpointing, Method, Recommendation, compiled_step, fine_tuning_methods,
                                   lighter_method, method_recommendation, recommend_for_job)
-from hpcgpu.infer_rows import read_rows
+from hpcgpu.infer_inputs import read_rows
 from hpcgpu.spec import Spec, load_spec
 
 

@@ -10,7 +10,7 @@ One place, run by the host's resolve step (hpcgpu/launch/resolve.py) for `hpcgpu
   multiple of the heads (n_embd/n_head, hidden_size/num_attention_heads), the heads a multiple of
   num_key_value_heads; task: infer, mode generate: infer.max_new_tokens below the model's positions
   (n_positions, max_position_embeddings), so that a prompt fits;
-- task: infer: every row of infer.input is valid (hpcgpu/infer_rows.py, the reader the job uses: the
+- task: infer: every row of infer.input is valid (hpcgpu/infer_inputs.py, the reader the job uses: the
   first bad row as file:line; rows with "messages" need a tokenizer with a chat template), a local model
   folder holds a config.json and a tokenizer, infer.max_memory is readable, model.quantization can run
   (bitsandbytes installed; the local executor has a GPU);
@@ -47,7 +47,7 @@ from urllib.parse import urlparse
 from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.gpu.estimate import linear_layer_names, parse_max_memory, unknown_targets_problem
 from hpcgpu.gpu.model_types import model_type_problem
-from hpcgpu.infer_rows import Row, read_rows, rows_fit_problem
+from hpcgpu.infer_inputs import Row, read_rows, rows_fit_problem
 from hpcgpu.launch.registry import file_system_type
 from hpcgpu.launch.replicas import quantization_problem
 from hpcgpu.spec import Spec

@@ -215,7 +215,7 @@ def test_estimate_infer_counts_prompts_with_the_model_s_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "m"))
-    from hpcgpu.infer_rows import read_rows
+    from hpcgpu.infer_inputs import read_rows
 
     longest = max(len(tok.encode(r.prompt)) if r.prompt else
                   len(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -395,7 +395,7 @@ def test_bad_inputs_are_one_line_and_exit_2(world: dict) -> None:
 def test_stop_strings_cut_the_completion() -> None:
     import torch
 
-    from hpcgpu.infer_rows import Row
+    from hpcgpu.infer_inputs import Row
     from hpcgpu.runtime.data import ByteTokenizer
     from hpcgpu.runtime.model import build_model
     from hpcgpu.runtime.tasks.infer import BatchRunner, Codec, encode_rows
@@ -490,7 +490,7 @@ def test_infer_plan_batch_from_memory_and_resume_with_other_replicas() -> None:
 
 
 def test_a_row_with_both_prompt_and_messages_is_refused(tmp_path: Path) -> None:
-    from hpcgpu.infer_rows import read_rows
+    from hpcgpu.infer_inputs import read_rows
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": 1, "prompt": "a"}\n{"id": 2, "prompt": "b", "messages": [{"role": "user", '

@@ -172,7 +172,7 @@ def test_a_stop_ends_the_loop_at_once_and_only_a_complete_run_finishes(tmp_path:
     import torch
 
     from hpcgpu.contract import RunPaths
-    from hpcgpu.infer_rows import Row
+    from hpcgpu.infer_inputs import Row
     from hpcgpu.runtime.context import Context
     from hpcgpu.runtime.metrics import MetricsWriter
     from hpcgpu.runtime.tasks.infer import infer_loop

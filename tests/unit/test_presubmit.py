@@ -63,7 +63,7 @@ def bpe_model_dir(folder: Path) -> Path:
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "tokenizer.json"])
 def test_validate_refuses_a_prompt_longer_than_the_models_positions(tmp_path: Path, tokenizer: str) -> None:
-    from hpcgpu.infer_rows import read_rows, rows_fit_problem
+    from hpcgpu.infer_inputs import read_rows, rows_fit_problem
 
     rows = tmp_path / "prompts.jsonl"
     long = "alpha beta gamma delta " * 4  # 92 bytes; fewer BPE tokens

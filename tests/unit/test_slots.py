@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hpcgpu.infer_rows import Row
+from hpcgpu.infer_inputs import Row
 from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.tasks import infer as infer_task
 from hpcgpu.runtime.tasks.infer import BatchResult, BatchRunner, Chunk, Codec, SlotRunner, pick_engine

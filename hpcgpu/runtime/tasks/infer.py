@@ -9,7 +9,7 @@ of them and all end close together. No output depends on the replica count or on
 which row (sampling is seeded per batch on the batch engine, per row on the slot engine): 1 and 2
 replicas give the same outputs.jsonl, bit for bit on CPU.
 
-Each replica appends its finished rows to outputs/replica-N.jsonl (runtime/infer_outputs.py; the slot
+Each replica appends its finished rows to outputs/replica-N.jsonl (hpcgpu/infer_outputs.py; the slot
 engine every STORE_EVERY_S, the batch engine a batch at a time) and adds its rows and tokens to counters
 in the same store; rank 0's progress line reads them. A replica that gets the stop signal raises a stop
 flag there and takes no further chunk; the others see the flag and stop too: the batch engine after its
@@ -52,8 +52,8 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
                                  infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room, why_batches)
 from hpcgpu.gpu.monitor import GpuMonitor
-from hpcgpu.infer_rows import Row, read_rows, rows_fit_problem
-from hpcgpu.runtime import infer_outputs as outputs
+from hpcgpu.infer_inputs import Row, read_rows, rows_fit_problem
+from hpcgpu import infer_outputs as outputs
 from hpcgpu.runtime import slots as slot_engine
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import ByteTokenizer

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.infer_rows import Row
+from hpcgpu.infer_inputs import Row
 
 log = logging.getLogger("hpcgpu")
 
