@@ -7,12 +7,12 @@ own training loop also gets the spec's strategy, precision and checkpoints throu
     loader = ctx.data_loader(dataset, batch_size=None, shuffle=True)   # this rank's share, resumable
     step = ctx.resume()                     # 0, or the step of the newest checkpoint (everything restored)
     with ctx.autocast(): loss = ...         # bf16/fp16 where train.precision resolves to it
-    ctx.backward(loss); ctx.step()          # scaler- and engine-aware; zero_grad and scheduler included
+    ctx.backward(loss); ctx.step()          # scaler- and strategy-aware; zero_grad and scheduler included
     ctx.save(step)                          # model, optimizer, scheduler, RNG, loader positions
     if ctx.should_stop(): return ctx.stop(step)   # checkpoint, requeue under SLURM, exit code 75
 
-runtime/engine.py (the one training engine, also under task: train), runtime/loader.py and
-runtime/stop.py hold the work; the methods here only route to them.
+runtime/training.py (a model in training under its strategy, also under task: train), runtime/loader.py
+and runtime/stop.py hold the work; the methods here only route to them.
 """
 from __future__ import annotations
 
@@ -31,15 +31,14 @@ from hpcgpu.contract import ENV_SPEC, RunPaths, attempt_id
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
-from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun
 from hpcgpu.runtime.diagnostics import print_startup_line
-from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu, shard_for_plan, sync_batchnorm
-from hpcgpu.runtime.fsdp_strategy import rebind_optimizer
 from hpcgpu.runtime.env import DistEnv, bind_gpu_group
 from hpcgpu.runtime.loader import ResumableLoader, cpus_per_rank, merged_options, per_rank_batch, recommended_options
 from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.plan import RunPlan, plan_own_loop
+from hpcgpu.runtime.strategies import lone_rank_group, strategy_for
+from hpcgpu.runtime.training import Training, sync_batchnorm
 from hpcgpu.runtime.preempt import StopFlag, stop_signals
 from hpcgpu.runtime.requeue import requeue_after_crash
 from hpcgpu.runtime.stop import StopNote, stop_job
@@ -58,7 +57,7 @@ class Context:
     checkpoint: Any = None  # a checkpoint manager, set by tasks that checkpoint
     plan: RunPlan | None = None  # the task's run plan, set by tasks that make one (train)
     stop_flag: StopFlag = field(default_factory=StopFlag)
-    engine: Engine | None = None  # what ctx.prepare set up
+    training: Training | None = None  # what ctx.prepare set up
     loaders: list[ResumableLoader] = field(default_factory=list)  # every ctx.data_loader: saved by ctx.save
     loader_states: list[dict[str, int]] = field(default_factory=list)  # resumed, for loaders made after resume
     watchdog: Watchdog | None = None  # this rank's progress watchdog (runtime/watchdog.py)
@@ -98,50 +97,40 @@ class Context:
 
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: Any = None) -> tuple[Any, Any]:
-        """The model on this rank's device under the spec's strategy (DDP with distributed.ddp, DeepSpeed,
-        or bare for one rank), BatchNorm synced per distributed.sync_batchnorm, the precision of
-        train.precision; registered for ctx.save/ctx.resume. Returns (model, optimizer) to use from
-        now on: the DDP wrapper or DeepSpeed engine, and the optimizer (DeepSpeed's wrapper of it)."""
-        if self.engine is not None:
+        """The model on this rank's device under the spec's strategy (DDP with distributed.ddp, fsdp,
+        DeepSpeed, or bare for one rank: runtime/strategies/), BatchNorm synced per
+        distributed.sync_batchnorm, the precision of train.precision; registered for
+        ctx.save/ctx.resume. Returns (model, optimizer) to use from now on: the DDP wrapper or DeepSpeed
+        engine, and the optimizer (DeepSpeed's wrapper of it)."""
+        if self.training is not None:
             raise HpcgpuError("ctx.prepare was called twice; one model and optimizer per job")
         plan = self.loop_plan()
         setting = self.spec.distributed.sync_batchnorm if self.spec is not None else "auto"
-        module = sync_batchnorm(model, setting, self.device, self.world_size)
-        ds = None
-        if plan.training.strategy == "deepspeed":
-            assert self.spec is not None  # deepspeed is only ever the spec's choice
-            deepspeed_on_cpu(self.device)
-            ds = DeepSpeedRun.for_plan(self.spec, plan)
-        else:
-            module = module.to(self.device)  # in place: the optimizer's parameters stay the module's
-        if plan.training.strategy == "fsdp":  # sharding makes new parameters: the optimizer follows them
-            _dist.init_process_group(self.env, self.spec, self.device, alone=True)  # a lone rank's group
-            before = dict(module.named_parameters())
-            module = shard_for_plan(module, self.spec, plan, self.device)
-            rebind_optimizer(optimizer, before, module)
-        engine = Engine(self.spec, plan, self.device, module, optimizer, scheduler, ds=ds)
-        engine.wrap()
-        log.info(f"ctx.prepare: {engine.describe()} on {self.device} x {self.world_size}, {plan.precision}")
-        self.engine = engine
-        return engine.model, engine.user_optimizer
+        strategy = strategy_for(plan, self.spec, self.device)
+        module = strategy.adopt(sync_batchnorm(model, setting, self.device, self.world_size), optimizer, self.env)
+        training = Training(self.spec, plan, self.device, module, optimizer, scheduler, strategy=strategy)
+        training.wrap()
+        log.info(f"ctx.prepare: {training.describe()} on {self.device} x {self.world_size}, {plan.precision}")
+        self.training = training
+        return training.model, training.user_optimizer
 
-    def _engine(self, what: str) -> Engine:
-        if self.engine is None:
+    def _training(self, what: str) -> Training:
+        if self.training is None:
             raise HpcgpuError(f"{what} needs ctx.prepare(model, optimizer) first")
-        return self.engine
+        return self.training
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for the forward pass and loss (a no-op in fp32, which CPU ranks use)."""
-        return self._engine("ctx.autocast").autocast()
+        return self._training("ctx.autocast").autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() through the fp16 GradScaler or the DeepSpeed engine."""
-        self._engine("ctx.backward").backward(loss)
+        self._training("ctx.backward").backward(loss)
 
     def step(self) -> None:
         """One optimizer step: gradients clipped to train.grad_clip (0: not clipped), the step (through
-        the scaler or the engine), zero_grad, then the scheduler's step."""
-        self._engine("ctx.step").optimizer_step()
+        the scaler or DeepSpeed's engine), zero_grad, then the scheduler's step."""
+        self._training("ctx.step").optimizer_step()
 
     def data_loader(self, dataset: Sized, batch_size: int | None = None, *, shuffle: bool = True,
                     drop_last: bool = False, seed: int | None = None, **options: Any) -> ResumableLoader:
@@ -166,13 +155,13 @@ class Context:
     def save(self, step: int, *, blocking: bool | None = None) -> None:
         """Collective: a checkpoint at `step` (checkpoint.async: in the background) of the model,
         optimizer, scheduler, every RNG and every ctx.data_loader's position."""
-        engine = self._engine("ctx.save")
+        training = self._training("ctx.save")
         if self.checkpoint is None:
             raise HpcgpuError("ctx.save needs a spec (checkpoints go to <run dir>/checkpoints); run the job "
                               "through hpcgpu or pass hpcgpu.init(spec)")
-        state = {"step": step, "prepared": engine.rank_state(),
+        state = {"step": step, "prepared": training.rank_state(),
                  "loaders": [loader.state_dict() for loader in self.loaders]}
-        engine.save(self.checkpoint, step, state, {"restart_count": self.env.restart_count}, blocking=blocking)
+        training.save(self.checkpoint, step, state, {"restart_count": self.env.restart_count}, blocking=blocking)
         beat()
 
     def heartbeat(self) -> None:
@@ -182,12 +171,12 @@ class Context:
 
     def resume(self) -> int:
         """Collective: restore the newest complete checkpoint; returns its step, or 0 without one."""
-        engine = self._engine("ctx.resume")
-        loaded = engine.resume(self.checkpoint, self.rank) if self.checkpoint is not None else None
+        training = self._training("ctx.resume")
+        loaded = training.resume(self.checkpoint, self.rank) if self.checkpoint is not None else None
         if loaded is None:
             return 0
         path, state = loaded
-        engine.load_rank_state(state["prepared"])
+        training.load_rank_state(state["prepared"])
         self._restore_loaders(state["loaders"])
         step = int(state["step"])
         self.checkpoint.last_saved_step = step
@@ -230,7 +219,7 @@ class Context:
             if self._metrics is not None:
                 self._metrics.close()
             # the DDP wrapper (its reducer holds the process group) goes with the gc.collect() below
-            self.engine = None
+            self.training = None
             self.loaders.clear()
             self.stop_flag.restore()
             reset_cpu_group()
@@ -261,9 +250,10 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     """Detect the environment, bind the device, start the process group, install the stop flag.
 
     paths: the run dir `hpcgpu run` decided; user code calling hpcgpu.init() leaves it out.
-    alone_group: whether a job of one rank gets a (one-rank) process group, which DeepSpeed needs even
-    alone. None: when the spec says distributed.strategy: deepspeed (the user's own code); the train
-    task passes False and starts it after its run plan chose DeepSpeed (strategy: auto may)."""
+    alone_group: whether a job of one rank gets a (one-rank) process group, which DeepSpeed and fsdp
+    need even alone. None: when the spec's distributed.strategy needs one (the user's own code;
+    runtime/strategies/ lone_rank_group); the train task passes False and starts it after its run plan
+    chose such a strategy (strategy: auto may)."""
     spec_obj, spec_path = _resolve_spec(spec)
     env = bind_gpu_group(DistEnv.from_environ(gpus_per_task=spec_obj.gpus_per_task if spec_obj else 1,
                                               own_group=spec_obj is not None and spec_obj.own_gpu_group))
@@ -271,7 +261,7 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     print_startup_line(env)
     device = _dist.select_device(env)
     if alone_group is None:
-        alone_group = spec_obj is not None and spec_obj.distributed.strategy == "deepspeed"
+        alone_group = spec_obj is not None and lone_rank_group(spec_obj.distributed.strategy)
     run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
     _dist.init_process_group(env, spec_obj, device, alone=alone_group, trace_dir=RunPaths(run_dir).nccl_traces)
     _dist.set_cpu_threads(device)

@@ -40,7 +40,8 @@ from typing import Any, Callable, Mapping
 
 from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
 from hpcgpu.errors import HpcgpuError, SpecError
-from hpcgpu.gpu.estimate import auto_infer_batch, count_params, fmt_bytes, infer_batch_limit, parse_size
+from hpcgpu.gpu.estimate import (Strategy, auto_infer_batch, count_params, fmt_bytes, infer_batch_limit, parse_size,
+                                 plan_strategy)
 from hpcgpu.gpu.recommend import compiled_step, recommend_for_job
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import batch_split, fixed_max_steps
@@ -343,6 +344,12 @@ def spec_deepspeed(spec: Spec) -> tuple[int, bool, bool]:
     """(ZeRO stage, offload optimizer, offload params) as distributed.deepspeed writes them."""
     ds = spec.distributed.deepspeed
     return ds.zero_stage, ds.offload_optimizer, ds.offload_params
+
+
+def memory_strategy(t: TrainPlan, spec: Spec) -> Strategy:
+    """The memory model's row (gpu/estimate.py) of the plan's strategy, for the out-of-memory errors."""
+    return plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing,
+                         fsdp=t.strategy == "fsdp", reshard_after_forward=spec.distributed.fsdp.reshard_after_forward)
 
 
 def plan_own_loop(spec: Spec | None, world: int, *, device_type: str, bf16_supported: bool) -> RunPlan:

@@ -1,6 +1,6 @@
 """The progress watchdog of every rank: a rank that makes no progress is named, with where it was.
 
-Progress is a beat: an optimizer step (runtime/engine.py), a batch from ctx.data_loader, a finished
+Progress is a beat: an optimizer step (runtime/training.py), a batch from ctx.data_loader, a finished
 checkpoint save, an inference batch, or `ctx.heartbeat()` in the user's own loop. A daemon thread
 checks every CHECK_S:
 

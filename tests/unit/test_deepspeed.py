@@ -148,7 +148,7 @@ def bf16_plan(spec, world: int = 2):  # type: ignore[no-untyped-def]
 
 
 def test_generated_config_follows_the_global_batch_rule():
-    from hpcgpu.runtime.deepspeed_strategy import generated_config, merged_config
+    from hpcgpu.runtime.strategies.deepspeed import generated_config, merged_config
     from hpcgpu.spec import spec_from_raw
 
     spec = spec_from_raw({**doc(Path("/tmp"), stage=3, offload=True), "runs_dir": "/tmp"})
@@ -164,7 +164,7 @@ def test_generated_config_follows_the_global_batch_rule():
 def test_auto_in_the_user_json_keeps_what_the_spec_derived(tmp_path):
     """"auto" is DeepSpeed's word for "fill it in": nested ones must not replace the spec's values
     (a literal "auto" stage would quietly become ZeRO-0)."""
-    from hpcgpu.runtime.deepspeed_strategy import generated_config, merged_config
+    from hpcgpu.runtime.strategies.deepspeed import generated_config, merged_config
     from hpcgpu.spec import spec_from_raw
 
     user = tmp_path / "ds.json"
@@ -207,7 +207,7 @@ def test_lora_under_zero2_follows_ddp_and_resumes_from_a_checkpoint_without_the_
     (states,) = (run_dir / "checkpoints" / "step-00000006" / "deepspeed").rglob("*model_states.pt")
     module = torch.load(states, map_location="cpu", weights_only=False)["module"]
     # DeepSpeed keeps a frozen weight under its second name (the head tied to the embeddings), unlike our
-    # DCP payload (runtime/engine.py drops it): documented in docs/fine-tuning.md
+    # DCP payload (runtime/strategies/base.py drops it): documented in docs/fine-tuning.md
     assert module and all("lora_" in k or k.endswith("lm_head.weight") for k in module), list(module)
     second, again = submit(tmp_path / "z2", spec)
     assert second.returncode == 0 and again == run_dir, second.stderr[-3000:]

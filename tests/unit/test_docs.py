@@ -107,7 +107,7 @@ WHERE_IS = {
     "the checkpoint save": ("hpcgpu/runtime/checkpoint.py", "def save("),
     "the infer batching": ("hpcgpu/runtime/tasks/infer.py", "def make_batches("),
     "the slot engine": ("hpcgpu/runtime/slots.py", "class SlotEngine"),
-    "the DDP wrap": ("hpcgpu/runtime/engine.py", "def wrap_ddp("),
+    "the DDP wrap": ("hpcgpu/runtime/strategies/ddp.py", "def wrap_ddp("),
     "the registry schema": ("hpcgpu/launch/registry.py", "SCHEMA = "),
     "the queue's GPU pick": ("hpcgpu/launch/queue.py", "def take("),
     "the estimate formula": ("hpcgpu/gpu/estimate.py", "def infer_row_bytes("),

@@ -142,7 +142,7 @@ def test_blocks_are_the_models_own_unit_and_cpu_offload_needs_gpus() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hpcgpu.errors import HpcgpuError
-    from hpcgpu.runtime.fsdp_strategy import fsdp_kwargs, transformer_blocks
+    from hpcgpu.runtime.strategies.fsdp import fsdp_kwargs, transformer_blocks
     from hpcgpu.spec.schema import Fsdp
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TWO_BLOCKS))

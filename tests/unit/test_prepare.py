@@ -178,9 +178,8 @@ def one_rank_group():  # type: ignore[no-untyped-def]
 
 
 def test_ddp_options_reach_the_wrapper(one_rank_group: None) -> None:
-    from hpcgpu.runtime.engine import wrap_ddp
     from hpcgpu.runtime.plan import plan_own_loop
-    from hpcgpu.runtime.strategy import ddp_options
+    from hpcgpu.runtime.strategies.ddp import ddp_options, wrap_ddp
 
     def choose_strategy(spec, world: int) -> str:  # type: ignore[no-untyped-def]
         return plan_own_loop(spec, world, device_type="cpu", bf16_supported=False).training.strategy
@@ -218,7 +217,7 @@ def bn_model() -> torch.nn.Module:
 @pytest.mark.parametrize("setting", ["auto", True])
 def test_sync_batchnorm_on_cpu_says_so_and_keeps_batchnorm(setting: object,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    from hpcgpu.runtime.engine import CPU_SYNC_BN, sync_batchnorm
+    from hpcgpu.runtime.training import CPU_SYNC_BN, sync_batchnorm
 
     with caplog.at_level(logging.INFO, logger="hpcgpu"):
         model = sync_batchnorm(bn_model(), setting, torch.device("cpu"), world=2)  # type: ignore[arg-type]
@@ -227,7 +226,7 @@ def test_sync_batchnorm_on_cpu_says_so_and_keeps_batchnorm(setting: object,
 
 
 def test_sync_batchnorm_converts_on_gpu_ranks_only_when_asked(caplog: pytest.LogCaptureFixture) -> None:
-    from hpcgpu.runtime.engine import sync_batchnorm
+    from hpcgpu.runtime.training import sync_batchnorm
 
     gpu = torch.device("cuda", 0)  # conversion only swaps modules: no GPU needed to check it
     model = bn_model()
@@ -291,7 +290,7 @@ def test_save_and_resume_restore_everything_registered(tmp_path: Path, strategy:
         return losses
 
     ctx, model, ld = start()
-    assert ctx.engine is not None and (ctx.engine.strategy, ctx.engine.plan.precision) == (name, "fp32")
+    assert ctx.training is not None and (ctx.training.strategy.name, ctx.training.plan.precision) == (name, "fp32")
     train(ctx, model, ld, 1)
     ctx.save(1)
     after = train(ctx, model, ld, 2)  # the rest of epoch 0 (3 batches from 10 samples: 4, 4, 2)
@@ -300,7 +299,7 @@ def test_save_and_resume_restore_everything_registered(tmp_path: Path, strategy:
     assert (ctx2.checkpoint.last_saved_step, ld2.state_dict()) == (1, {"epoch": 0, "batches": 1})
     assert train(ctx2, model2, ld2, 2) == after
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
-    assert ctx2.engine is not None and ctx2.engine.scheduler.get_last_lr() == [0.1 * 0.5 ** 3]
+    assert ctx2.training is not None and ctx2.training.scheduler.get_last_lr() == [0.1 * 0.5 ** 3]
     ctx2.checkpoint.close()
 
 

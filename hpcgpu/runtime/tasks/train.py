@@ -45,23 +45,22 @@ from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
     Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, causal_lm_loss_sum, eval_batches, load_blocks,
     load_tokenizer)
-from hpcgpu.runtime.deepspeed_strategy import DeepSpeedRun
 from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
-from hpcgpu.runtime.engine import Engine, deepspeed_on_cpu, shard_for_plan
-from hpcgpu.runtime.fsdp_strategy import full_state_dict
 from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.lora import add_adapters, prepare_quantized, trainable_count, write_merged
 from hpcgpu.runtime.model import build_model, load_quantized
-from hpcgpu.runtime.plan import RunPlan, halved_micro, lora_text, settle_plan, write_plan
+from hpcgpu.runtime.plan import RunPlan, halved_micro, lora_text, memory_strategy, settle_plan, write_plan
 from hpcgpu.runtime.profile import StepProfiler
 from hpcgpu.runtime.requeue import mark_finished
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
 from hpcgpu.runtime.steplog import StepLog
 from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
-from hpcgpu.runtime.strategy import describe_ddp
+from hpcgpu.runtime.strategies import lone_rank_group, strategy_for
+from hpcgpu.runtime.strategies.deepspeed import deepspeed_on_cpu
 from hpcgpu.runtime.track import open_tracking
+from hpcgpu.runtime.training import Training
 from hpcgpu.runtime import watchdog
 from hpcgpu.runtime.watchdog import beat
 from hpcgpu.spec import Spec
@@ -234,24 +233,23 @@ def seed_rank(seed: int, rank: int) -> None:
 
 
 class Trainer:
-    """The train task on the one engine (runtime/engine.py: the wrap, precision, optimizer step and
+    """The train task on a Training (runtime/training.py: the strategy, precision, optimizer step and
     checkpoint state, as ctx.prepare has them): what only this loop does (the model built from the
-    spec, fused and compiled loss, no_sync accumulation, the first step's out-of-memory guard), the data
-    schedule, step, tokens and early stopping; Stateful for checkpoints."""
+    spec, fused and compiled loss, accumulation without gradient reduction, the first step's
+    out-of-memory guard), the data schedule, step, tokens and early stopping; Stateful for checkpoints.
+    It never asks which strategy runs: the strategy object (runtime/strategies/) answers."""
 
     def __init__(self, ctx: Context, spec: Spec, plan: RunPlan, data: TrainData):
         self.ctx, self.spec, self.plan = ctx, spec, plan
         p = self.tp = plan.training
         self.world = plan.world_size
         self.device = ctx.device
-        self.strategy = p.strategy
         self.max_steps = p.max_steps
         self.micro, self.accum = p.micro_batch, p.accum
         self.tokenizer, self.train_blocks, self.eval_blocks = data.tokenizer, data.train, data.eval
         self.schedule = self._schedule()
-        self.ds = DeepSpeedRun.for_plan(spec, plan) if self.strategy == "deepspeed" else None
-        if self.ds is not None:
-            self.ds.before_model()  # ZeRO-3 partitions the model as it is built
+        self.strategy = strategy_for(plan, spec, self.device)
+        self.strategy.before_model()  # ZeRO-3 partitions the model as it is built
         self.raw_model: Any = self._build_model()
         self.train_blocks = place_tokens(self.train_blocks, self.device)
         self.n_params = count_params(self.raw_model)
@@ -260,13 +258,13 @@ class Trainer:
         if p.adapter:  # a frozen weight needs no weight gradient: 4N (forward, input gradients) + the adapters'
             self.flops_per_token -= 2 * (self.n_params - self.n_trainable)
         # fsdp: sharded before the optimizer is made, each block compiled where the plan compiles
-        self.raw_model = shard_for_plan(self.raw_model, spec, plan, self.device, compile_blocks=p.compile)
-        self.engine = self._build_engine()
-        self.optimizer, self.scheduler = self.engine.optimizer, self.engine.scheduler
+        self.raw_model = self.strategy.shard(self.raw_model, compile_blocks=p.compile)
+        self.training = self._build_training()
+        self.optimizer, self.scheduler = self.training.optimizer, self.training.scheduler
         self.cuda_graphs = p.compile and spec.train.compile_mode in ("reduce-overhead", "max-autotune")
         self.logits_loss = logits_loss(p.compile)
         self.aux_loss_coef = float(getattr(self.raw_model.config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.model: Any = self.engine.wrap(None if self.ds is not None else self._loss_model())
+        self.model: Any = self.training.wrap(self._loss_model())
         self.step = self.start_step = self.tokens_seen = 0
         self.last_lr = spec.train.lr
         self.early = spec.train.early_stopping
@@ -274,10 +272,8 @@ class Trainer:
         self.best_step: int | None = None  # how many evals since then did not improve on it
         self.evals_without_improvement = 0
         # the first step of this start is guarded against running out of memory (module docstring)
-        # (not under fsdp: its forward gathers weights, a collective a rank out of memory would leave waiting)
-        self.guard_next_step = self.ds is None and self.strategy != "fsdp" and \
-            not (self.strategy == "ddp" and spec.distributed.ddp.static_graph)
-        self.on_new_plan: Callable[[RunPlan], None] | None = None  # records a plan changed in the job
+        self.guard_next_step = self.strategy.guards_first_step()
+        self.on_new_plan: Callable[..., None] | None = None  # records a plan changed in the job (plan_recorder)
         seed_rank(spec.train.seed, ctx.rank)
 
     def _schedule(self) -> BatchSchedule:
@@ -287,15 +283,11 @@ class Trainer:
 
     def _build_model(self) -> Any:
         """The model on this rank's device (ZeRO-3 places it itself), checkpointed and drilled as asked."""
-        zero3 = self.ds is not None and self.ds.zero3
-        on_gpu = self.device if self.device.type == "cuda" and not zero3 else None
         quantized = self.spec.model.quantization != "none"
         if quantized:  # QLoRA: the frozen base in 4/8 bits on this rank's GPU
             model = prepare_quantized(load_quantized(self.spec, self.device, self.plan.precision))
         else:
-            model = build_model(self.spec, self.spec.train.seed, on_gpu)
-        if self.ds is None and not quantized:
-            model = model.to(self.device)
+            model = self.strategy.place(build_model(self.spec, self.spec.train.seed, self.strategy.build_device()))
         if self.tp.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if self.spec.train.lora is not None:
@@ -308,20 +300,21 @@ class Trainer:
         self._check_vocab(model)
         return model
 
-    def _build_engine(self) -> Engine:
+    def _build_training(self) -> Training:
         offload = self.tp.offload_optimizer  # DeepSpeed's or fsdp's: the optimizer steps on the CPU
         optimizer = build_optimizer(self.raw_model, self.spec, self.device, offload=offload)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.spec, self.max_steps))
-        return Engine(self.spec, self.plan, self.device, self.raw_model, optimizer, scheduler, ds=self.ds,
-                      own_loop=True)
+        return Training(self.spec, self.plan, self.device, self.raw_model, optimizer, scheduler,
+                        strategy=self.strategy, own_loop=True)
 
     def _loss_model(self) -> torch.nn.Module:
-        """What DDP wraps: the model, with the fused loss around it where asked, compiled where planned."""
+        """What the strategy wraps: the model, with the fused loss around it where asked, compiled where
+        planned (DeepSpeed's engine wraps the model as built: the plan allows it neither)."""
         model: torch.nn.Module = self.raw_model
         if self.tp.fused_loss:
             model = FusedLossLM(model, liger_sum_loss())
-        if self.tp.compile and self.strategy != "fsdp":  # fsdp compiled each block (shard_for_plan)
-            model = torch.compile(model, mode=self.spec.train.compile_mode)  # type: ignore[assignment]
+        if self.tp.compile:
+            model = self.strategy.compiled(model, self.spec.train.compile_mode)
         return model
 
     @staticmethod
@@ -353,7 +346,7 @@ class Trainer:
     # -- Stateful
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.schedule.state_dict(),
-                **self.engine.rank_state(),  # scheduler, scaler
+                **self.training.rank_state(),  # scheduler, scaler
                 "early_stopping": {"best_eval": self.best_eval, "best_step": self.best_step,
                                    "evals_without_improvement": self.evals_without_improvement}}
 
@@ -361,7 +354,7 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.schedule.load_state_dict(state["data"])
-        self.engine.load_rank_state(state)
+        self.training.load_rank_state(state)
         early = state.get("early_stopping") or {}  # absent from checkpoints of an older hpcgpu
         self.best_eval, self.best_step = early.get("best_eval"), early.get("best_step")
         self.evals_without_improvement = int(early.get("evals_without_improvement", 0))
@@ -383,7 +376,7 @@ class Trainer:
     # -- one optimizer step
     def _micro_loss(self, idx: torch.Tensor) -> torch.Tensor:
         ids, labels, mask = batch_fields(fetch_batch(self.train_blocks, idx, self.device))
-        with self.engine.autocast():
+        with self.training.autocast():
             if self.tp.fused_loss:  # the wrapper returns the loss itself (runtime/fused_loss.py)
                 return self.model(ids, labels, mask)
             out = self.model(input_ids=ids, attention_mask=mask)
@@ -405,27 +398,28 @@ class Trainer:
         micro_batches = self.schedule.next_micro_batches()
         if self.cuda_graphs:  # a new step: the graphs' outputs of the last one may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        if self.ds is not None:
-            total = self._deepspeed_step(micro_batches)
+        if self.strategy.accumulates_itself:
+            total = self._self_accumulating_step(micro_batches)
         elif self.guard_next_step:
             total = self._guarded_step(torch.cat(micro_batches))
             self.guard_next_step = False
         else:
-            total = self._ddp_step(micro_batches)
+            total = self._accumulated_step(micro_batches)
         self.step += 1
         self.tokens_seen += self.tp.tokens_per_step
         return total
 
-    def _ddp_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    def _accumulated_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """The micro batches' gradients summed, reduced over the ranks with the last one, then one step."""
         n = len(micro_batches)
         total: torch.Tensor | None = None  # the first share itself: no zeros to fill and add to
         for i, idx in enumerate(micro_batches):
-            sync = contextlib.nullcontext() if i == n - 1 or self.strategy != "ddp" else self.model.no_sync()
+            sync = contextlib.nullcontext() if i == n - 1 else self.strategy.without_reduction()
             with sync:
                 loss = self._loss_share(idx, n)
-                self.engine.backward(loss)
+                self.training.backward(loss)
             total = loss.detach() if total is None else total + loss.detach()
-        self.engine.optimizer_step()
+        self.training.optimizer_step()
         assert total is not None  # a step has at least one micro batch
         return total
 
@@ -442,7 +436,7 @@ class Trainer:
                 break
             self._after_oom([r for r, f in enumerate(flags) if f])
             set_rng_state(rng, self.device)  # the retry draws what the failed attempt drew
-        self._reduce_gradients()
+        self.strategy.reduce_gradients(self.training.params, self.world)
         stepped = self._optimizer_step_or_oom()
         failed = any_rank([not stepped and r == self.ctx.rank for r in range(self.world)], group)
         if any(failed):
@@ -450,19 +444,14 @@ class Trainer:
         return total
 
     def _local_backward(self, micro_batches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, bool]:
-        """Forward and backward of every micro batch with DDP's all-reduce held back; True on an
-        out-of-memory error (the step's tensors are freed before returning)."""
+        """Forward and backward of every micro batch with no collective (the gradient reduction held
+        back); True on an out-of-memory error (the step's tensors are freed before returning)."""
         total = torch.zeros((), device=self.device)
-        hold = self.model.no_sync() if self.strategy == "ddp" else contextlib.nullcontext()
-        if self.strategy == "ddp":
-            # no buffer broadcast in this step's forwards: it is a collective, and a rank that failed
-            # before it would leave the others waiting there (the buffers are equal since DDP's start)
-            self.model.require_forward_param_sync = False
         try:
-            with hold:
+            with self.strategy.local_only():
                 for idx in micro_batches:
                     loss = self._loss_share(idx, len(micro_batches))
-                    self.engine.backward(loss)
+                    self.training.backward(loss)
                     total += loss.detach()
         except torch.cuda.OutOfMemoryError as exc:
             log.warning(f"rank {self.ctx.rank}: out of memory at micro batch {self.micro} in the first step: "
@@ -496,20 +485,10 @@ class Trainer:
                         f"(global batch {self.tp.global_batch} kept), recorded in plan.json; retrying step "
                         f"{self.step + 1} on the same sequences")
 
-    def _reduce_gradients(self) -> None:
-        """The all-reduce the guarded step held back, as DDP's reducer does it: each gradient divided by
-        the world size, then summed over the ranks."""
-        if self.strategy != "ddp":
-            return
-        for param in self.engine.params:
-            if param.grad is not None:
-                param.grad.div_(self.world)
-                dist.all_reduce(param.grad)
-
     def _optimizer_step_or_oom(self) -> bool:
         """The first optimizer step creates the optimizer states: False where they do not fit."""
         try:
-            self.engine.optimizer_step()
+            self.training.optimizer_step()
         except torch.cuda.OutOfMemoryError:
             return False
         return True
@@ -519,8 +498,8 @@ class Trainer:
                 f"states (weights, gradients, optimizer) do not fit; {estimate_text(self.spec, self.plan)}; use "
                 "distributed.strategy: deepspeed (ZeRO shards them, offload moves them to host memory)")
 
-    def _deepspeed_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """The engine accumulates, reduces, clips and steps (optimizer and scheduler) on the last one.
+    def _self_accumulating_step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """DeepSpeed's engine accumulates, reduces, clips and steps (optimizer and scheduler) on the last one.
         Its collectives run inside forward and backward, so an out-of-memory error cannot be agreed on
         first: in the first step it is one error line on the failing rank (the launcher stops the
         others), with an auto micro batch after recording the halved one for the next start."""
@@ -528,8 +507,8 @@ class Trainer:
         try:
             for idx in micro_batches:
                 loss = self._micro_loss(idx)
-                self.engine.backward(loss)
-                self.engine.optimizer_step()  # DeepSpeed steps at its accumulation boundary
+                self.training.backward(loss)
+                self.training.optimizer_step()  # DeepSpeed steps at its accumulation boundary
                 total += loss.detach().float() / len(micro_batches)
         except torch.cuda.OutOfMemoryError:
             if self.step != self.start_step:
@@ -545,7 +524,7 @@ class Trainer:
         if new is None:
             return what + "; use a smaller train.micro_batch_size or train.gradient_checkpointing: true"
         if self.on_new_plan is not None:
-            self.on_new_plan(new)  # this rank writes it: rank 0 may be waiting in a collective
+            self.on_new_plan(new, False)  # this rank writes it: rank 0 may be waiting in a collective
         return what + (f"; micro batch {new.training.micro_batch} is recorded in plan.json: run the same command "
                        "again to resume with it")
 
@@ -562,7 +541,7 @@ class Trainer:
         for batch in eval_batches(self.eval_blocks, self.micro, sequences, self.ctx.rank, self.world):
             beat()
             ids, labels, mask = batch_fields(batch_to(batch, self.device))
-            with self.engine.autocast():  # the step's forward, uncompiled as the raw model is
+            with self.training.autocast():  # the step's forward, uncompiled as the raw model is
                 out = self.raw_model(input_ids=ids, attention_mask=mask)
                 total, count = causal_lm_loss_sum(out.logits, labels)
             sums += torch.stack([total.double(), count.double()])
@@ -578,8 +557,7 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
     t = plan.training
     n_params, config = m.count_params(spec)
     d = m.dims_from_config(config, t.seq_len, n_params, t.compile, t.fused_loss)
-    st = m.plan_strategy(t.zero_stage, t.offload_optimizer, t.offload_params, t.gradient_checkpointing,
-                         fsdp=t.strategy == "fsdp", reshard_after_forward=spec.distributed.fsdp.reshard_after_forward)
+    st = memory_strategy(t, spec)
     lora = m.spec_lora_dims(spec, config) if spec.train.lora is not None else None  # the adapters' own figures
     e = m.estimate(d, st, t.micro_batch, plan.world_size, lora)
     text = (f"`hpcgpu estimate` puts {st.name} at micro batch {t.micro_batch} at {m.fmt_bytes(e.total)} per GPU "
@@ -593,13 +571,13 @@ def estimate_text(spec: Spec, plan: RunPlan) -> str:
 # ---------------------------------------------------------------- checkpoints
 
 def save_checkpoint(ctx: Context, tr: Trainer, blocking: bool | None = None) -> None:
-    tr.engine.save(ctx.checkpoint, tr.step, {"trainer": tr.state_dict()},
+    tr.training.save(ctx.checkpoint, tr.step, {"trainer": tr.state_dict()},
                    {"tokens": tr.tokens_seen, "restart_count": ctx.env.restart_count}, blocking=blocking)
 
 
 def resume(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> bool:
     """Load the newest complete checkpoint, if any. Collective."""
-    loaded = tr.engine.resume(ctx.checkpoint, ctx.rank)
+    loaded = tr.training.resume(ctx.checkpoint, ctx.rank)
     if loaded is None:
         return False
     path, rank_state = loaded
@@ -624,12 +602,12 @@ def describe(tr: Trainer) -> str:
     n, p = tr.n_params, tr.tp
     steps = f"{p.max_steps} steps" + (f" = {p.epochs} epochs x {p.steps_per_epoch}" if p.epochs else "")
     trained = f" ({tr.n_trainable / 1e6:.3f}M trained: {lora_text(p.adapter)})" if p.adapter else ""
-    return (f"model {n / 1e6:.2f}M params{trained} on {tr.device} x {tr.world} ({tr.strategy}); global batch "
+    return (f"model {n / 1e6:.2f}M params{trained} on {tr.device} x {tr.world} ({p.strategy}); global batch "
             f"{p.global_batch} = micro {p.micro_batch} x accum {p.accum} x {tr.world} ranks; "
             f"seq_len {p.seq_len}; {tr.plan.precision}; {len(tr.train_blocks)} train sequences; {steps}"
             + ("; gradient checkpointing" if p.gradient_checkpointing else "")
             + ("; fused loss (Liger)" if p.fused_loss else "")
-            + (f"; DDP {describe_ddp(tr.engine.ddp_options)}" if tr.engine.ddp_options is not None else ""))
+            + tr.strategy.options_note())
 
 
 def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: StartupClock | None = None) -> str:
@@ -759,7 +737,7 @@ def _eval(ctx: Context, tr: Trainer, metrics: MetricsWriter) -> None:
 
 
 def save_best(ctx: Context, tr: Trainer, loss: float) -> None:
-    tr.engine.save_best(ctx.checkpoint, {"trainer": tr.state_dict()},
+    tr.training.save_best(ctx.checkpoint, {"trainer": tr.state_dict()},
                         {"step": tr.step, "eval_loss": loss, "tokens": tr.tokens_seen})
     log.info(f"step {tr.step:>6} | best eval loss so far: checkpoints/best/")
 
@@ -778,11 +756,11 @@ def restore_best(ctx: Context, tr: Trainer) -> None:
     unless the last eval was the best. Collective."""
     if tr.early is None or tr.best_step is None or tr.best_step == tr.step:
         return
-    payload = tr.engine.payload()
+    payload = tr.training.payload()
     if ctx.checkpoint.load_best(payload) is None:
         log.warning("checkpoints/best/ could not be loaded: the final model is the last one, not the best")
         return
-    tr.engine.load_model(payload)
+    tr.training.load_model(payload)
     log.info(f"the final model is the best one: step {tr.best_step}, eval loss {tr.best_eval:.4f}")
 
 
@@ -790,10 +768,7 @@ def save_final_model(ctx: Context, tr: Trainer) -> Path:
     """A plain Hugging Face model (loads without DeepSpeed), written by rank 0, renamed when complete."""
     out = ctx.run_dir / "model"
     lora = tr.spec.train.lora is not None
-    # ZeRO-2 holds whole weights in every rank: only ZeRO-3 (never with LoRA) and fsdp need them gathered
-    state_dict = tr.ds.consolidated_state_dict() if tr.ds is not None and not lora else None  # collective
-    if tr.strategy == "fsdp":
-        state_dict = full_state_dict(tr.raw_model)  # collective; rank 0 holds it
+    state_dict = tr.strategy.final_state_dict(lora)  # collective where the weights are spread; rank 0 holds them
     if ctx.is_main:
         with folder_written_whole(out) as tmp:
             # with LoRA: the adapter folder (adapter_config.json, adapter_model.safetensors) peft loads on its base
@@ -823,22 +798,23 @@ def start_plan(ctx: Context, spec: Spec, paths: RunPaths, data: TrainData) -> Ru
     group DeepSpeed and fsdp need, now that the plan chose one. A job of several ranks has had its group since
     init(): the group starts exactly once either way."""
     plan = settle_plan(spec, paths, ctx.world_size, ctx.device, num_sequences=len(data.train))
-    if plan.training.strategy in ("deepspeed", "fsdp") and not ctx.env.distributed:
+    if lone_rank_group(plan.training.strategy) and not ctx.env.distributed:
         init_process_group(ctx.env, spec, ctx.device, alone=True)
     ctx.plan = plan
     ctx.checkpoint.plan_text = plan.to_json()  # beside spec.yaml in every checkpoint
     return plan
 
 
-def plan_recorder(ctx: Context, paths: RunPaths, metrics: MetricsWriter) -> Callable[[RunPlan], None]:
+def plan_recorder(ctx: Context, paths: RunPaths, metrics: MetricsWriter) -> Callable[[RunPlan, bool], None]:
     """Records a plan the job changed (a micro batch halved after running out of memory): the context,
-    the following checkpoints and plan.json, so that a requeued job starts with it."""
-    def record(plan: RunPlan) -> None:
+    the following checkpoints and plan.json, so that a requeued job starts with it. agreed: every
+    rank took it (rank 0 writes plan.json), else only this rank knows it (it writes)."""
+    def record(plan: RunPlan, agreed: bool = True) -> None:
         old = ctx.plan.training if ctx.plan is not None and ctx.plan.train is not None else None
         ctx.plan = plan
         ctx.checkpoint.plan_text = plan.to_json()
         t = plan.training
-        if ctx.is_main or t.strategy == "deepspeed":  # under DeepSpeed the failing rank writes it
+        if ctx.is_main or not agreed:
             write_plan(paths.plan, plan)
         metrics.write("oom", micro_batch=t.micro_batch, accum=t.accum, oom_halvings=t.oom_halvings,
                       previous_micro_batch=old.micro_batch if old else None)

@@ -1,5 +1,5 @@
-"""One engine, one plan, one stop: ctx.prepare and task: train build the same wrap from the same plan
-path, and every task leaves through runtime/stop.py's one stop record."""
+"""runtime/training.py: ctx.prepare and task: train build the same wrap from the same plan path, and
+every task leaves through runtime/stop.py's one stop record."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,12 @@ import torch
 
 from hpcgpu.contract import ENV_SIGNAL_AT, EXIT_STOPPED
 from hpcgpu.runtime.context import Context
-from hpcgpu.runtime.engine import Engine
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.plan import plan_own_loop, plan_train
 from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
+from hpcgpu.runtime.strategies import strategy_for
+from hpcgpu.runtime.training import Training
 from test_prepare import one_rank_group, spec_of  # noqa: F401 (one_rank_group: a fixture)
 
 
@@ -31,17 +32,18 @@ def test_the_users_loop_plans_strategy_precision_and_batch_as_the_train_task(str
     assert (own.training.micro_batch, own.training.accum) == (own.training.batch_per_rank, 1)  # ctx.step steps
 
 
-def test_ctx_prepare_and_the_trainers_engine_wrap_alike(tmp_path: Path, one_rank_group: None) -> None:
+def test_ctx_prepare_and_the_trainers_training_wrap_alike(tmp_path: Path, one_rank_group: None) -> None:
     """The same spec gives the same DDP wrap; only gradient_as_bucket_view (auto) follows who drives."""
     spec = spec_of(distributed={"ddp": {"bucket_cap_mb": 7, "find_unused_parameters": True}})
     env = DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2)
     ctx = Context(env=env, spec=spec, run_dir=tmp_path, device=torch.device("cpu"))
     net = torch.nn.Linear(3, 2)
     users, _ = ctx.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    assert isinstance(ctx.engine, Engine) and ctx.plan is ctx.engine.plan
+    assert isinstance(ctx.training, Training) and ctx.plan is ctx.training.plan
     module = torch.nn.Linear(3, 2)
-    trainers = Engine(spec, ctx.plan, torch.device("cpu"), module, torch.optim.SGD(module.parameters(), lr=0.1),
-                      own_loop=True).wrap()
+    cpu = torch.device("cpu")
+    trainers = Training(spec, ctx.plan, cpu, module, torch.optim.SGD(module.parameters(), lr=0.1),
+                        strategy=strategy_for(ctx.plan, spec, cpu), own_loop=True).wrap()
     for ddp in (users, trainers):
         assert (ddp.bucket_bytes_cap, ddp.find_unused_parameters) == (7 * 2**20, True)
     assert (users.gradient_as_bucket_view, trainers.gradient_as_bucket_view) == (False, True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,15 @@ import torch
 
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.checkpoint import Payload
+from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.plan import RunPlan
+from hpcgpu.runtime.precision import Precision
+from hpcgpu.runtime.strategies.base import Strategy
 from hpcgpu.spec import Spec
 
 log = logging.getLogger("hpcgpu")
 
-DS_TAG = "deepspeed"  # the engine's own folder inside step-N/
+DS_TAG = "deepspeed"  # DeepSpeed's own folder inside step-N/
 
 # keys we derive from the spec; a user JSON may repeat them only with the same value (or "auto")
 DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
@@ -39,7 +43,7 @@ def generated_config(spec: Spec, plan: RunPlan) -> dict:
     """The DeepSpeed config of the run plan (batch split, ZeRO stage and offload, precision); the
     spec gives only what the plan does not decide (gradient clipping)."""
     t = plan.training
-    if t.strategy != "deepspeed" or t.zero_stage is None:
+    if t.zero_stage is None:
         raise ValueError(f"the run plan's strategy is {t.how()}, not deepspeed")
     zero: dict[str, Any] = {"stage": t.zero_stage}
     if t.offload_optimizer:
@@ -107,13 +111,13 @@ def merged_config(spec: Spec, generated: dict) -> dict:
 
 
 class DeepSpeedRun:
-    """The engine plus what it needs alive (transformers' ZeRO-3 hook) for the life of the run."""
+    """DeepSpeed's engine plus what it needs alive (transformers' ZeRO-3 hook) for the life of the run."""
 
     def __init__(self, config: dict):
         self.deepspeed = import_deepspeed()
         self.config = config
         self.hf_hook: Any = None
-        self.engine: Any = None
+        self.wrapped: Any = None
         if torch.distributed.is_initialized():
             # deepspeed.comm adopts our process group (no MPI discovery, no launcher); ZeRO-3's
             # partitioning at model creation reads the world size from it
@@ -140,32 +144,110 @@ class DeepSpeedRun:
 
     def initialize(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: torch.optim.lr_scheduler.LRScheduler) -> Any:
-        engine, _, _, _ = self.deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    config=self.config, dist_init_required=False)
-        self.engine = engine
-        return engine
+        wrapped, _, _, _ = self.deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                     config=self.config, dist_init_required=False)
+        self.wrapped = wrapped
+        return wrapped
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Full weights for save_pretrained (rank 0 gets them; collective under ZeRO-3); None below
         ZeRO-3, where every rank holds them and save_pretrained reads the model itself."""
         if self.zero3:
-            return self.engine._zero3_consolidated_16bit_state_dict()
+            return self.wrapped._zero3_consolidated_16bit_state_dict()
         return None
 
 
 class DeepSpeedPayload(Payload):
-    """The engine's own checkpoint (module, ZeRO-partitioned optimizer, scheduler) in step-N/deepspeed/."""
+    """DeepSpeed's own checkpoint (module, ZeRO-partitioned optimizer, scheduler) in step-N/deepspeed/."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.frozen = any(not p.requires_grad for p in engine.module.parameters())
+    def __init__(self, wrapped: Any):
+        self.wrapped = wrapped  # deepspeed.initialize's model (its DeepSpeedEngine)
+        self.frozen = any(not p.requires_grad for p in wrapped.module.parameters())
 
     def write(self, path: Path) -> None:
         # LoRA: the frozen base is not checkpointed (the run loads or builds it again as it started)
-        self.engine.save_checkpoint(str(path), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.frozen)
+        self.wrapped.save_checkpoint(str(path), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=self.frozen)
 
     def read(self, path: Path) -> None:
-        load_path, _ = self.engine.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
+        load_path, _ = self.wrapped.load_checkpoint(str(path), tag=DS_TAG, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True, load_module_strict=not self.frozen)
         if load_path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {path / DS_TAG}")
+
+
+def deepspeed_on_cpu(device: torch.device) -> None:
+    """CPU ranks are meant: DeepSpeed (the strategy, or imported by transformers) would otherwise warn
+    that it "was unable to detect" a GPU."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class DeepSpeed(Strategy):
+    """DeepSpeed's engine wraps the module as built (no loss wrapper: plan.py allows neither the fused
+    loss nor compile with it), steps at its own accumulation boundary, scales fp16 itself, and under
+    hpcgpu's own loop casts itself (its inputs are token ids; the user's loop may feed float inputs,
+    which autocast casts at each op)."""
+
+    name = "deepspeed"
+    lone_rank_group = True
+    accumulates_itself = True
+    run: DeepSpeedRun
+
+    def before_model(self) -> None:
+        assert self.spec is not None  # deepspeed is only ever the spec's choice
+        self.run = DeepSpeedRun.for_plan(self.spec, self.plan)
+        self.run.before_model()  # ZeRO-3 partitions the model as it is built
+
+    def build_device(self) -> torch.device | None:
+        return None if self.run.zero3 else super().build_device()  # ZeRO-3 places it itself
+
+    def place(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module  # DeepSpeed's engine moves it
+
+    def adopt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> torch.nn.Module:
+        assert self.spec is not None  # deepspeed is only ever the spec's choice
+        deepspeed_on_cpu(self.device)
+        self.run = DeepSpeedRun.for_plan(self.spec, self.plan)
+        return module
+
+    def wrap(self, target: torch.nn.Module) -> Any:
+        assert self.module is not None
+        self.model = self.run.initialize(self.module, self.optimizer, self.scheduler)
+        return self.model
+
+    def user_optimizer(self) -> Any:
+        return self.model.optimizer  # the engine's wrapper of it
+
+    def describe(self) -> str:
+        return f"{self.name} ZeRO-{self.plan.training.zero_stage}"
+
+    def loop_precision(self, precision: Precision) -> Precision:
+        return Precision(None, precision.device_type) if self.own_loop else precision
+
+    def scaler(self, precision: Precision) -> torch.amp.GradScaler:
+        return precision.scaler(enabled=False)
+
+    def guards_first_step(self) -> bool:
+        return False  # its collectives run inside forward and backward
+
+    def backward(self, loss: torch.Tensor, scaler: torch.amp.GradScaler) -> None:
+        self.model.backward(loss)  # scaled by 1/accumulation inside the engine
+
+    def step(self, scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter], grad_clip: float) -> None:
+        self.model.step()  # clips, steps optimizer and scheduler at its accumulation boundary
+
+    def payload(self) -> Payload | dict[str, Any]:
+        return DeepSpeedPayload(self.model)
+
+    def load_payload(self, payload: Payload | dict[str, Any]) -> None:
+        """DeepSpeed's engine loaded itself in the read."""
+
+    def load_model(self, payload: Payload | dict[str, Any]) -> None:
+        """DeepSpeed's engine loaded itself in the read."""
+
+    def nothing_loaded(self) -> None:
+        """DeepSpeed's own checkpoint primed nothing."""
+
+    def final_state_dict(self, lora: bool) -> dict[str, torch.Tensor] | None:
+        # ZeRO-2 holds whole weights in every rank: only ZeRO-3 (never with LoRA) needs them gathered
+        return None if lora else self.run.consolidated_state_dict()  # collective

@@ -8,6 +8,7 @@ whole (`full_state_dict`) for save_pretrained.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -16,6 +17,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.runtime import dist as _dist
+from hpcgpu.runtime.env import DistEnv
+from hpcgpu.runtime.strategies.base import Strategy
 from hpcgpu.spec.schema import Fsdp
 
 log = logging.getLogger("hpcgpu")
@@ -95,3 +99,36 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, before: dict[str, torch.n
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the whole weights on rank 0's CPU (empty on the other ranks), for save_pretrained."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    lone_rank_group = True
+
+    def shard(self, module: torch.nn.Module, compile_blocks: bool = False) -> torch.nn.Module:
+        """Sharded in place, before its optimizer is made. CPU offload is the plan's (recorded at the
+        first start), the other options the spec's."""
+        spec_options = self.spec.distributed.fsdp if self.spec is not None else Fsdp()
+        options = dataclasses.replace(spec_options, cpu_offload=self.plan.training.offload_params)
+        return shard_model(module, options, self.plan.precision, self.device, compile_blocks=compile_blocks)
+
+    def adopt(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv) -> torch.nn.Module:
+        """Sharding makes new parameters: the optimizer follows them."""
+        module = self.place(module)
+        _dist.init_process_group(env, self.spec, self.device, alone=True)  # a lone rank's group
+        before = dict(module.named_parameters())
+        module = self.shard(module)
+        rebind_optimizer(optimizer, before, module)
+        return module
+
+    def compiled(self, model: torch.nn.Module, mode: str) -> torch.nn.Module:
+        return model  # each block was compiled as it was sharded
+
+    def describe(self) -> str:
+        return self.name + (" (CPU offload)" if self.plan.training.offload_params else "")
+
+    def guards_first_step(self) -> bool:
+        return False  # its forward gathers weights: a collective a rank out of memory would leave waiting
+
+    def final_state_dict(self, lora: bool) -> dict[str, torch.Tensor] | None:
+        return full_state_dict(self.module)
