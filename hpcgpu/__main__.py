@@ -5,7 +5,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "run":
 
     die_with_parent()  # a rank of the local executor dies with it (HPCGPU_PARENT_PID; no-op otherwise)
     # the in-job entrypoint: remember a preemption signal that comes before the task is ready
-    from hpcgpu.runtime.early import catch_early_signals
+    from hpcgpu.runtime.signals import catch_early_signals
 
     catch_early_signals()
 

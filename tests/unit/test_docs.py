@@ -103,7 +103,7 @@ def test_readme_stays_short():
 # and the answer is still true (the file holds the name the map gives).
 WHERE_IS = {
     "the sbatch template": ("hpcgpu/launch/templates/job.sbatch", None),
-    "the signal handler": ("hpcgpu/runtime/preempt.py", "class StopFlag"),
+    "the signal handler": ("hpcgpu/runtime/signals.py", "class StopSignals"),
     "the checkpoint save": ("hpcgpu/runtime/checkpoint.py", "def save("),
     "the infer batching": ("hpcgpu/runtime/tasks/infer.py", "def make_batches("),
     "the slot engine": ("hpcgpu/runtime/slots.py", "class SlotEngine"),

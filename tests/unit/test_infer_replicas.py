@@ -157,7 +157,7 @@ class StopAt:
 
         self.ran += 1
         if self.ran == self.at:
-            self.ctx.stop_flag.signum = 10
+            self.ctx.run.signals.signum = 10
         return BatchResult([{"id": i, "index": i, "text": "x"} for i in batch], 1, 1)
 
 
@@ -223,8 +223,11 @@ def test_replicas_take_batches_from_one_queue_each_once_the_faster_more() -> Non
     """Two replicas on one TCPStore (as the rendezvous makes): replica 0 runs three batches in the
     time replica 1 runs one, so it takes three times as many; every batch is taken exactly once; the
     numbers each records add up for rank 0's progress line; a stop one raises the other sees."""
+    import torch
     import torch.distributed as dist
 
+    from hpcgpu.runtime.agree import StopAgreement
+    from hpcgpu.runtime.signals import StopSignals
     from hpcgpu.runtime.tasks.infer import WorkQueue
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -245,9 +248,14 @@ def test_replicas_take_batches_from_one_queue_each_once_the_faster_more() -> Non
     slow.record(rows=4, prompt_tokens=50, completion_tokens=20, peak_bytes=3 << 30)
     fast.record(rows=8, prompt_tokens=100, completion_tokens=40, peak_bytes=4 << 30)  # its peak stays 5 GiB
     assert slow.totals() == ([20, 250, 100], [5 << 30, 3 << 30])
-    assert not fast.stop_raised()
-    slow.raise_stop()
-    assert fast.stop_raised()
+    # the stop agreement among replicas lives in the same store (runtime/agree.py)
+    signals = [StopSignals(), StopSignals()]
+    agree = [StopAgreement(s, torch.device("cpu")) for s in signals]
+    for agreement, store in zip(agree, (server, client)):
+        agreement.among_replicas(store, 0.0)
+    assert not agree[0].replica_poll() and not agree[1].replica_poll()
+    signals[1].signum = 10  # the slow replica got the signal: it stops, and posts it for the other
+    assert agree[1].replica_poll() and agree[0].replica_poll()
 
 
 def test_one_replica_has_its_queue_in_memory() -> None:

@@ -1,11 +1,13 @@
-"""`task: callable`: `entry: pkg.module:function`, called in-process with the context."""
+"""`task: callable`: `entry: pkg.module:function`, called in-process with the context.
+
+The run's lifecycle (runtime/run.py) is init()'s; the function's own loop supplies the stop's hooks
+through the user API: ctx.should_stop() at its safe points, ctx.stop(step) to save and leave."""
 from __future__ import annotations
 
 import importlib
 
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.context import init
 from hpcgpu.spec import Spec
 
@@ -24,8 +26,6 @@ def load_entry(entry: str):  # type: ignore[no-untyped-def]
 
 def run_callable(spec: Spec, paths: RunPaths) -> int:
     fn = load_entry(spec.entry or "")
-    with init(spec, paths) as ctx:
-        with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
-                        enabled=spec.monitor.enabled and ctx.device.type == "cuda"):
-            result = fn(ctx)
+    with init(spec, paths) as ctx, ctx.run.monitor(ctx.device.type == "cuda"):
+        result = fn(ctx)
     return result if isinstance(result, int) else 0

@@ -1,4 +1,11 @@
-"""`task: command`: the user's own program, one per rank, with the torchrun variables exported."""
+"""`task: command`: the user's own program, one per rank, with the torchrun variables exported.
+
+The run's lifecycle is every task's (runtime/run.py) without torch and without a Context: its start,
+its stop signals (runtime/signals.py: here each one is also handed to the program where the launcher
+does not signal it), and its one stop. The ranks do not agree among themselves: each program gets the
+signal (from the launcher, or from its wrapper) and its framework decides; this wrapper's safe point is
+the program's end (`wait_for_program`, which ends a program that outlives the stop allowance).
+"""
 from __future__ import annotations
 
 import os
@@ -9,21 +16,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Callable
 
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, RunPaths
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.gpu.nvml import gpu_count
-from hpcgpu.runtime.diagnostics import print_startup_line
-from hpcgpu.runtime.early import early_signal, release_others
 from hpcgpu.runtime.env import DistEnv
-from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.procs import child_dies_with_me
-from hpcgpu.runtime.preempt import stop_signals
-from hpcgpu.runtime.stop import StopNote, stop_job
+from hpcgpu.runtime.run import Run
+from hpcgpu.runtime.stop import StopNote
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import nccl_env, signal_lead_s, signal_name
 
@@ -89,37 +91,29 @@ def ranks_have_gpus(environ: dict[str, str]) -> bool:
 
 def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     env = DistEnv.from_environ()
-    setup_logging(env)
-    print_startup_line(env)
-    stops = stop_signals(spec)
-    received: list[int] = []
+    run = Run.begin(spec, paths.run_dir, env, records=False)  # metrics.jsonl is the program's
+    received = run.signals.received  # each stop signal once: under `scancel --full` from SLURM and the batch script
     proc: subprocess.Popen | None = None
 
     relay = not launcher_signals_the_program(env)
     allowance = stop_allowance_s(spec)
 
-    def forward(signum: int, frame: FrameType | None) -> None:
-        # once per signal: under `scancel --full` it reaches us from SLURM and from the batch script
-        if signum in received:
-            return
-        received.append(signum)
+    def hand_over(signum: int) -> None:
         if proc is not None:
             warn_unhandled(proc.pid, signum, spec, env)
             if relay:
                 proc.send_signal(signum)  # the program decides how to checkpoint and stop
 
-    previous = {s: signal.signal(s, forward) for s in stops}
-    release_others(stops)
+    run.catch_signals(hand_over)
     try:
-        if early_signal(stops) is not None or received:
-            return stop_before_start(spec, env, paths.run_dir)
+        if run.signals.is_set:
+            return stop_before_start(run)
         proc = start_program(spec, spec_path, paths, env)
         if received:
             proc.send_signal(received[0])  # it came in the instant the program was being started
         rendezvous = RendezvousWatch(env) if env.is_main and env.world_size > 1 else None
         # local rank 0 of each node samples the node's GPUs while the program runs, as for train
-        with GpuMonitor(paths.run_dir, env.local_rank, spec.monitor.interval_s, node_rank=env.node_rank,
-                        enabled=spec.monitor.enabled):
+        with run.monitor(True):
             code, ended_by_us = wait_for_program(proc, received, allowance, env)
         told_to_stop = bool(received)  # before the program ended: a signal after it is not why it ended
         if code != 0 and not received:  # it may have ended of SLURM's own copy of a stop signal
@@ -128,8 +122,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
         if rendezvous is not None:
             rendezvous.stop()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        run.close()
     code = 128 - code if code < 0 else code  # killed by signal N -> 128+N, as a shell reports it
     if rendezvous is not None and code == 0 and not received and not rendezvous.seen:
         report_lone_runs(rendezvous.lone_runs_text(), paths)
@@ -141,7 +134,7 @@ def run_command(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
     # checkpointed resumes from HPCGPU_CHECKPOINT_DIR next time
     note = StopNote({}, f"the program exited with code {code} after the stop signal" + (
         f", ended by hpcgpu: it was still running {allowance:.0f}s after it" if ended_by_us else ""))
-    return stop_job(spec, env, paths.run_dir, received[0], note, torn_down_code=code, say=rank0_prints(env))
+    return run.stop(note, torn_down_code=code, say=rank0_prints(env))
 
 
 STOP_MARGIN_S = 10.0  # before SLURM's kill: time for rank 0 to ask the controller and requeue
@@ -247,11 +240,11 @@ def wait_for_our_copy(received: list[int]) -> None:
         time.sleep(0.02)
 
 
-def stop_before_start(spec: Spec, env: DistEnv, run_dir: Path) -> int:
+def stop_before_start(run: Run) -> int:
     """A stop signal came while the rank was starting: nothing ran, so nothing is lost by leaving (and
     nothing failed: no torn-down check)."""
     note = StopNote({}, "the stop signal came before the program started; not starting it")
-    return stop_job(spec, env, run_dir, None, note, say=rank0_prints(env))
+    return run.stop(note, checked=False, say=rank0_prints(run.env))
 
 
 def caught_signals(pid: int) -> set[int] | None:

@@ -11,11 +11,12 @@ replicas give the same outputs.jsonl, bit for bit on CPU.
 
 Each replica appends its finished rows to outputs/replica-N.jsonl (hpcgpu/infer_outputs.py; the slot
 engine every STORE_EVERY_S, the batch engine a batch at a time) and adds its rows and tokens to counters
-in the same store; rank 0's progress line reads them. A replica that gets the stop signal raises a stop
-flag there and takes no further chunk; the others see the flag and stop too: the batch engine after its
-current batch, the slot engine after its current decode call, dropping the rows still in its slots. On
-a stop (the preemption signal, SIGTERM, Ctrl-C) rank 0 requeues and every rank exits 75, as train does
-after its checkpoint; the rows written are the checkpoint. A run where every row was written is
+in the same store; rank 0's progress line reads them. A replica that gets the stop signal posts it
+in the same store (the replicas' side of the one stop agreement, runtime/agree.py) and takes no further
+chunk; the others see it and stop too: the batch engine after its current batch, the slot engine after
+its current decode call, dropping the rows still in its slots. On a stop (the preemption signal,
+SIGTERM, Ctrl-C) the run's one stop follows (runtime/run.py): rank 0 requeues and every rank exits 75,
+as train does after its checkpoint; the rows written are the checkpoint. A run where every row was written is
 finished, a signal during the last rows or not. A resumed job skips every row some replica wrote (any
 replica count: all the replica files are read) and runs the rest, a chunk only partly written (a kill
 -9) included: never a duplicate, never a dropped row. At the end rank 0 merges the replica files into
@@ -51,7 +52,6 @@ from hpcgpu.contract import ENV_GPU_MEMORY, RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
                                  infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room, why_batches)
-from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.infer_inputs import Row, read_rows, rows_fit_problem
 from hpcgpu import infer_outputs as outputs
 from hpcgpu.runtime import slots as slot_engine
@@ -60,7 +60,7 @@ from hpcgpu.runtime.data import ByteTokenizer
 from hpcgpu.runtime.dist import agreed_min, coordination_barrier, coordination_group
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.requeue import mark_finished
-from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
+from hpcgpu.runtime.stop import StopNote, inject_signal
 from hpcgpu.runtime.track import open_tracking
 from hpcgpu.runtime.watchdog import beat
 from hpcgpu.runtime.model import load_for_inference, model_config, not_in_cache, placement
@@ -73,7 +73,7 @@ log = logging.getLogger("hpcgpu")
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOG_EVERY_S = 10.0  # rank 0's progress line and metrics record, at most this often (and the first and last)
-STORE_EVERY_S = 0.25  # the slot engine: the shared counters and the stop flag, read and written this often
+STORE_EVERY_S = 0.25  # the slot engine: the shared counters and the stop agreement, read and written this often
 
 
 # ---------------------------------------------------------------- tokenizer and rows
@@ -563,9 +563,10 @@ def all_sum(values: list[float], group: Any) -> list[float]:
 
 class WorkQueue:
     """The batches left, handed to whichever replica asks next, and the numbers the replicas share
-    while they run: rows and tokens written, each replica's peak GPU memory, the stop flag. All live
-    in the process group's store (torch.distributed's TCPStore of the rendezvous; an in-memory
-    HashStore for one replica): `add` is atomic there, so each batch is taken exactly once."""
+    while they run: rows and tokens written, each replica's peak GPU memory (the stop agreement uses
+    the same store: runtime/agree.py). All live in the process group's store (torch.distributed's
+    TCPStore of the rendezvous; an in-memory HashStore for one replica): `add` is atomic there, so
+    each batch is taken exactly once."""
 
     KEY = "hpcgpu/infer/"
     TOTALS = ("rows", "prompt_tokens", "completion_tokens")
@@ -589,12 +590,6 @@ class WorkQueue:
 
     def taken(self) -> int:
         return min(self._add("next", 0), self.size)
-
-    def raise_stop(self) -> None:
-        self._add("stop", 1)
-
-    def stop_raised(self) -> bool:
-        return self._add("stop", 0) > 0
 
     def drop(self, rows: int) -> None:
         self._add("dropped", rows)
@@ -659,10 +654,10 @@ def fmt_eta(seconds: float | None) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-def stop_infer(ctx: Context, spec: Spec, metrics: MetricsWriter, rows_done: int, how: str) -> int:
-    """After an agreed stop: the one stop (runtime/stop.py), with the rows written."""
-    note = StopNote({"rows": rows_done}, f"stopped with {rows_done} rows written {how}")
-    return stop_job(spec, ctx.env, ctx.run_dir, ctx.stop_flag.signum, note, metrics)
+def stop_infer(ctx: Context, rows_done: int, how: str) -> int:
+    """After an agreed stop: the run's one stop (runtime/run.py), with the rows written (nothing to
+    save: the rows are the checkpoint)."""
+    return ctx.run.stop(StopNote({"rows": rows_done}, f"stopped with {rows_done} rows written {how}"))
 
 
 @dataclass
@@ -720,13 +715,12 @@ def infer_loop(ctx: Context, paths: RunPaths, engine: Any, batches: list[list[in
 
 
 class Feed:
-    """The engine's side of the queue: the next chunk, and whether to stop (this replica's signal, or
-    another's flag in the store, read at most every `store_every_s`)."""
+    """The engine's side of the queue: the next chunk (whether to stop is the run's agreement among
+    replicas, ctx.agreement.replica_poll)."""
 
-    def __init__(self, ctx: Context, queue: WorkQueue, todo: list[tuple[int, list[int]]], done: set[int],
-                 store_every_s: float):
-        self.ctx, self.queue, self.todo, self.done, self.every = ctx, queue, todo, done, store_every_s
-        self.fresh, self.taken, self.read_at, self.raised = not done, 0, float("-inf"), False
+    def __init__(self, ctx: Context, queue: WorkQueue, todo: list[tuple[int, list[int]]], done: set[int]):
+        self.ctx, self.queue, self.todo, self.done = ctx, queue, todo, done
+        self.fresh, self.taken = not done, 0
 
     def take(self) -> Chunk | None:
         k = self.queue.take()
@@ -736,16 +730,6 @@ class Feed:
         inject_signal(self.ctx.spec, self.ctx.rank, self.taken, armed=self.fresh)  # a resumed start goes on
         number, batch = self.todo[k]
         return Chunk(number, batch, [i for i in batch if i not in self.done])
-
-    def stop(self) -> bool:
-        if self.ctx.stop_flag.is_set and not self.raised:  # this replica got the signal: the others follow
-            self.queue.raise_stop()
-            self.raised = True
-        now = time.perf_counter()
-        if not self.raised and now - self.read_at >= self.every:
-            self.read_at = now
-            self.raised = self.queue.stop_raised()
-        return self.raised
 
 
 class Sink:
@@ -789,11 +773,13 @@ def _replica_loop(ctx: Context, paths: RunPaths, engine: Any, batches: list[list
     done, todo = rows_to_do(ctx, paths, batches, metrics, rows)
     progress = InferProgress(ctx, metrics, len(rows), len(done))
     queue = WorkQueue.for_job(len(todo), ctx.world_size, ctx.rank)
-    feed = Feed(ctx, queue, todo, done, engine.store_every_s)
+    feed = Feed(ctx, queue, todo, done)
+    # replicas run unequal numbers of chunks: they agree through the store, never a collective per poll
+    ctx.agreement.among_replicas(queue.store, engine.store_every_s)
     with outputs.ReplicaWriter(paths.replica_outputs(ctx.rank)) as writer:
         sink = Sink(ctx, queue, writer, progress, done, times, engine.store_every_s)
         times.started = time.perf_counter()
-        held = engine.loop(feed.take, sink.emit, feed.stop)
+        held = engine.loop(feed.take, sink.emit, ctx.agreement.replica_poll)
         sink.flush()
         times.batches_s = time.perf_counter() - times.started - times.write_s
     if held:
@@ -834,14 +820,9 @@ def run_infer(spec: Spec, paths: RunPaths) -> int:
             log.info(f"{ctx.run_dir} finished earlier; nothing to do")
             return 0
         quiet_libraries(ctx)
-        # rank 0's TensorBoard / W&B, fed by metrics; opened once the run plan is written
-        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=open_tracking(spec, paths, ctx.is_main))
-        try:
-            return _run(ctx, spec, paths, metrics)
-        finally:
-            if ctx.checkpoint is not None:
-                ctx.checkpoint.close()
-            metrics.close()
+        # rank 0's TensorBoard / W&B, fed by metrics; opened once the run plan is written; closed with the run
+        metrics = ctx.run.open_metrics(open_tracking(spec, paths, ctx.is_main))
+        return _run(ctx, spec, paths, metrics)
 
 
 def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> int:
@@ -867,7 +848,7 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     ctx.plan = plan
     record_plan(ctx, plan, paths)  # a barrier first: every rank has read the recorded plan (or none)
     if ctx.should_stop():
-        return stop_infer(ctx, spec, metrics, len(outputs.done_rows(paths, rows)), "(stopped while starting)")
+        return stop_infer(ctx, len(outputs.done_rows(paths, rows)), "(stopped while starting)")
     batches = make_batches([len(s) for s in ids], chunk_rows(plan.inference.batch_size, "batches" if why else "slots"))
     if ctx.is_main:
         outputs.repair_all(paths)
@@ -878,14 +859,13 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     tracking = metrics.tracking
     if tracking is not None:
         tracking.start()  # plan.json is written; opened before the clock of rows/s starts
-    with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
-                    enabled=spec.monitor.enabled and ctx.device.type == "cuda",
-                    on_sample=tracking.gpu_sample if tracking is not None and tracking.active else None):
+    with ctx.run.monitor(ctx.device.type == "cuda",
+                         on_sample=tracking.gpu_sample if tracking is not None and tracking.active else None):
         times = ReplicaTimes()
         outcome, progress = infer_loop(ctx, paths, engine, batches, metrics, rows, times)
     metrics.write("engine", **engine.describe())
     if outcome == "stopped":
-        return stop_infer(ctx, spec, metrics, progress.done, "(the next start goes on from there)")
+        return stop_infer(ctx, progress.done, "(the next start goes on from there)")
     finish(ctx, paths, rows, metrics, progress, times.every_replica(ctx))  # collective: every replica's rows are on disk
     return 0
 
