@@ -72,8 +72,9 @@ def test_rebuild_recovers_run_dirs_the_registry_lacks(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-m", "hpcgpu", "registry", "rebuild", str(runs)], capture_output=True,
                              text=True, timeout=60, env=env)
         assert out.returncode == 0, out.stderr
-    rows = {Path(j.run_dir).parent.name: j for j in Registry(db).all()}
-    assert sorted(rows) == ["alpha", "beta"]
+    jobs = Registry(db).all()
+    assert sorted(Path(j.run_dir).parent.name for j in jobs) == ["alpha", "beta"]  # one row each, not two
+    rows = {Path(j.run_dir).parent.name: j for j in jobs}
     assert (rows["alpha"].state, rows["alpha"].executor) == ("COMPLETED", "local")
     assert (rows["beta"].state, rows["beta"].executor, rows["beta"].job_id) == ("PREEMPTED", "slurm", "4242")
     assert time.strftime("%Y%m%d-%H%M", time.localtime(rows["alpha"].submitted)) == "20261128-1015"

@@ -22,6 +22,7 @@ from hpcgpu.spec import spec_from_raw
 
 ROWS = 44
 NEW = 12
+REFILL_SLOTS = 16  # 1/8 of them is 2: the refill rule differs from "any free slot"
 CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
@@ -81,15 +82,15 @@ def reference(sp: Any, model: Any, ids: list[list[int]], rows: list[Row]) -> dic
     return {i: runner.run(i, [i]).records[0] for i in range(ROWS)}
 
 
-def frequent_token(model: Any, ids: list[list[int]]) -> int:
-    """A token greedy decoding produces in some rows and not others: as EOS, it ends rows early."""
+def frequent_token(model: Any, ids: list[list[int]], rows_with_it: int = 4) -> int:
+    """A token greedy decoding produces in about `rows_with_it` of 16 rows: as EOS, it ends those early."""
     counts: collections.Counter[int] = collections.Counter()
     with torch.no_grad():
         for x in ids[:16]:
             out = model.generate(torch.tensor([x]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)
             counts.update(set(out[0, len(x) + 1:].tolist()))
-    return min(counts, key=lambda t: abs(counts[t] - 4))
+    return min(counts, key=lambda t: abs(counts[t] - rows_with_it))
 
 
 @pytest.fixture
@@ -106,17 +107,26 @@ def token_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(infer_task, "completion_record", with_ids)
 
 
-def watch_prefills(engine: Any) -> list[tuple[int, int]]:
-    """(rows prefilled, slots still running an earlier row) of each prefill the engine makes."""
-    seen: list[tuple[int, int]] = []
-    prefill = engine.prefill
+class RefillWatch:
+    """What the engine's loop did: each prefill as (rows prefilled, slots still running an earlier row),
+    and each decode call's free slots while rows were still waiting for one."""
 
-    def watched(pairs: list[tuple[int, int]]) -> Any:
-        seen.append((len(pairs), sum(r >= 0 for r in engine.row)))
-        return prefill(pairs)
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.prefills, self.free_while_waiting = engine, [], []
+        self.started = 0
+        prefill, decode = engine.prefill, engine.decode
 
-    engine.prefill = watched
-    return seen
+        def watched_prefill(pairs: list[tuple[int, int]]) -> Any:
+            self.prefills.append((len(pairs), sum(r >= 0 for r in engine.row)))
+            self.started += len(pairs)
+            return prefill(pairs)
+
+        def watched_decode() -> Any:
+            if self.started < ROWS:
+                self.free_while_waiting.append(sum(r < 0 for r in engine.row))
+            return decode()
+
+        engine.prefill, engine.decode = watched_prefill, watched_decode
 
 
 @pytest.mark.usefixtures("token_ids")
@@ -196,22 +206,29 @@ def test_the_jobs_engine_prepared_before_the_loop_gives_the_same_rows() -> None:
 
 
 @pytest.mark.usefixtures("token_ids")
-def test_refill_fills_freed_slots_while_others_decode_and_off_waits_for_every_slot() -> None:
+def test_refill_waits_for_an_eighth_of_the_slots_and_off_waits_for_every_slot() -> None:
+    """16 slots: the refill rule (prefill once 1/8 of the slots, here 2, are free) differs from "any
+    free slot", which 8 slots or fewer could not tell apart."""
     rows, ids = rows_and_ids()
     model = tiny_model("gpt2", None)
     # rows must end at different steps: ended all at max_new_tokens, they free their slots together and
-    # refill on and off run the very same steps
-    model.generation_config.eos_token_id = frequent_token(model, ids)
+    # refill on and off run the very same steps; half of them end early, or 16 slots would rarely refill
+    model.generation_config.eos_token_id = frequent_token(model, ids, rows_with_it=8)
     codec = Codec(ByteTokenizer(), "tiny")
-    on = SlotRunner(spec(), model, codec, ids, rows, torch.device("cpu"), slots=4)
-    off = SlotRunner(spec(refill=False), model, codec, ids, rows, torch.device("cpu"), slots=4)
-    fills_on, fills_off = watch_prefills(on.engine), watch_prefills(off.engine)
+    on = SlotRunner(spec(), model, codec, ids, rows, torch.device("cpu"), slots=REFILL_SLOTS)
+    off = SlotRunner(spec(refill=False), model, codec, ids, rows, torch.device("cpu"), slots=REFILL_SLOTS)
+    watch_on, watch_off = RefillWatch(on.engine), RefillWatch(off.engine)
     got = run(on, ids, chunk=4)
     assert run(off, ids, chunk=4) == got  # the same rows either way
     assert len({r["completion_tokens"] for r in got.values()}) > 2, "no rows of unlike lengths: nothing to refill"
-    assert fills_off == [(4, 0)] * (ROWS // 4)  # fixed batches of 4, each into empty slots
-    assert any(busy for _, busy in fills_on), fills_on  # rows entered beside rows still decoding
-    # the freed slots did not idle: fewer decode calls for the same rows
+    share = REFILL_SLOTS // 8
+    # fixed batches, each into empty slots
+    assert watch_off.prefills == [(16, 0), (16, 0), (ROWS - 32, 0)], watch_off.prefills
+    assert any(busy for _, busy in watch_on.prefills), watch_on.prefills  # rows entered beside rows decoding
+    assert all(REFILL_SLOTS - busy >= share for _, busy in watch_on.prefills), watch_on.prefills
+    # and a freed slot did wait while fewer than 1/8 were free (rows still to go)
+    assert any(0 < free < share for free in watch_on.free_while_waiting), watch_on.free_while_waiting
+    # the freed slots did not idle until every slot was free: fewer decode calls for the same rows
     assert on.engine.replays < off.engine.replays, (on.engine.replays, off.engine.replays)
 
 
