@@ -11,8 +11,9 @@ own training loop also gets the spec's strategy, precision and checkpoints throu
     ctx.save(step)                          # model, optimizer, scheduler, RNG, loader positions
     if ctx.should_stop(): return ctx.stop(step)   # checkpoint, requeue under SLURM, exit code 75
 
-runtime/training.py (a model in training under its strategy, also under task: train), runtime/loader.py
-and runtime/stop.py hold the work; the methods here only route to them.
+runtime/training.py (a model in training under its strategy, also under task: train), runtime/loader.py and the
+run's lifecycle (runtime/run.py: start, the one stop, close) hold the work; the methods here only
+route to them.
 """
 from __future__ import annotations
 
@@ -20,29 +21,26 @@ import contextlib
 import gc
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sized
 
 import torch
 
-from hpcgpu.contract import ENV_SPEC, RunPaths, attempt_id
+from hpcgpu.contract import ENV_SPEC, RunPaths
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime import dist as _dist
 from hpcgpu.runtime.checkpoint import CheckpointManager, CheckpointPolicy, reset_cpu_group
-from hpcgpu.runtime.diagnostics import print_startup_line
 from hpcgpu.runtime.env import DistEnv, bind_gpu_group
 from hpcgpu.runtime.loader import ResumableLoader, cpus_per_rank, merged_options, per_rank_batch, recommended_options
-from hpcgpu.runtime.logsetup import setup_logging
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.plan import RunPlan, plan_own_loop
 from hpcgpu.runtime.strategies import lone_rank_group, strategy_for
 from hpcgpu.runtime.training import Training, sync_batchnorm
-from hpcgpu.runtime.preempt import StopFlag, stop_signals
-from hpcgpu.runtime.requeue import requeue_after_crash
-from hpcgpu.runtime.stop import StopNote, stop_job
-from hpcgpu.runtime.watchdog import Watchdog, beat
+from hpcgpu.runtime.agree import StopAgreement
+from hpcgpu.runtime.run import Run
+from hpcgpu.runtime.stop import StopNote
+from hpcgpu.runtime.watchdog import beat
 from hpcgpu.spec import Spec, dump_spec, load_spec
 
 log = logging.getLogger("hpcgpu")
@@ -54,15 +52,26 @@ class Context:
     spec: Spec | None
     run_dir: Path
     device: torch.device
-    checkpoint: Any = None  # a checkpoint manager, set by tasks that checkpoint
     plan: RunPlan | None = None  # the task's run plan, set by tasks that make one (train)
-    stop_flag: StopFlag = field(default_factory=StopFlag)
     training: Training | None = None  # what ctx.prepare set up
     loaders: list[ResumableLoader] = field(default_factory=list)  # every ctx.data_loader: saved by ctx.save
     loader_states: list[dict[str, int]] = field(default_factory=list)  # resumed, for loaders made after resume
-    watchdog: Watchdog | None = None  # this rank's progress watchdog (runtime/watchdog.py)
-    _metrics: MetricsWriter | None = None
-    _closed: bool = False
+    run: Run = None  # type: ignore[assignment]  # its lifecycle and stop (runtime/run.py); made here if not given
+    agreement: StopAgreement = field(init=False)  # when every rank stops (runtime/agree.py)
+
+    def __post_init__(self) -> None:
+        if self.run is None:
+            self.run = Run(self.spec, self.env, self.run_dir)
+        self.agreement = StopAgreement(self.run.signals, self.device)
+
+    @property
+    def checkpoint(self) -> Any:
+        """The checkpoint manager (None without a spec), closed with the run."""
+        return self.run.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, manager: Any) -> None:
+        self.run.checkpoint = manager
 
     @property
     def rank(self) -> int:
@@ -81,8 +90,9 @@ class Context:
         return self.env.is_main
 
     def should_stop(self) -> bool:
-        """True on every rank once any rank got the preemption signal (collective: call on all ranks)."""
-        return _dist.any_rank([self.stop_flag.is_set], _dist.coordination_group(self.device))[0]
+        """True on every rank once any rank got the preemption signal (collective: call on all ranks,
+        at the same step; the one agreement, runtime/agree.py)."""
+        return self.agreement.now()
 
     def barrier(self) -> None:
         _dist.barrier()
@@ -196,32 +206,23 @@ class Context:
         SIGTERM that was srun ending the step after another rank failed is that crash: raised."""
         if self.spec is None:
             raise HpcgpuError("ctx.stop needs a spec (checkpoints, requeue); run the job through hpcgpu")
-        self.save(step, blocking=True)
         note = StopNote({"step": step}, f"stopped at step {step} with a checkpoint")
-        return stop_job(self.spec, self.env, self.run_dir, self.stop_flag.signum, note, self.metrics)
+        return self.run.stop(note, save=lambda: self.save(step, blocking=True))
 
     @property
     def metrics(self) -> MetricsWriter:
         """<run dir>/metrics.jsonl (rank 0 writes; elsewhere a no-op): `ctx.metrics.write("train",
         step=..., loss=...)` is what `hpcgpu status` and `hpcgpu report` show."""
-        if self._metrics is None:
-            self._metrics = MetricsWriter(RunPaths(self.run_dir).metrics, enabled=self.is_main)
-        return self._metrics
+        return self.run.metrics
 
     def close(self, finish_saves: bool = True) -> None:
-        """finish_saves: wait for a background checkpoint (collective); not when leaving on an error."""
-        if not self._closed:
-            self._closed = True
-            if self.watchdog is not None:
-                self.watchdog.stop()
-            if finish_saves and self.checkpoint is not None:
-                self.checkpoint.close()
-            if self._metrics is not None:
-                self._metrics.close()
+        """The run closed (once: runtime/run.py), then the process group. finish_saves: wait for a
+        background checkpoint (collective); not when leaving on an error."""
+        if not self.run.closed:
+            self.run.close(finish_saves)
             # the DDP wrapper (its reducer holds the process group) goes with the gc.collect() below
             self.training = None
             self.loaders.clear()
-            self.stop_flag.restore()
             reset_cpu_group()
             _dist.reset_coordination_group()
             # a DDP model the user's code dropped may still hold the gloo group through its reducer:
@@ -247,7 +248,8 @@ def _resolve_spec(spec: Spec | str | os.PathLike | None) -> tuple[Spec | None, P
 
 def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = None,
          alone_group: bool | None = None) -> Context:
-    """Detect the environment, bind the device, start the process group, install the stop flag.
+    """Start the run (runtime/run.py): the environment, the device, the process group, the watchdog,
+    the checkpoint manager, the stop signals.
 
     paths: the run dir `hpcgpu run` decided; user code calling hpcgpu.init() leaves it out.
     alone_group: whether a job of one rank gets a (one-rank) process group, which DeepSpeed and fsdp
@@ -257,23 +259,18 @@ def init(spec: Spec | str | os.PathLike | None = None, paths: RunPaths | None = 
     spec_obj, spec_path = _resolve_spec(spec)
     env = bind_gpu_group(DistEnv.from_environ(gpus_per_task=spec_obj.gpus_per_task if spec_obj else 1,
                                               own_group=spec_obj is not None and spec_obj.own_gpu_group))
-    setup_logging(env)
-    print_startup_line(env)
+    run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
+    run = Run.begin(spec_obj, run_dir, env)
     device = _dist.select_device(env)
     if alone_group is None:
         alone_group = spec_obj is not None and lone_rank_group(spec_obj.distributed.strategy)
-    run_dir = (paths or RunPaths.in_job(spec_path)).run_dir
     _dist.init_process_group(env, spec_obj, device, alone=alone_group, trace_dir=RunPaths(run_dir).nccl_traces)
     _dist.set_cpu_threads(device)
-    ctx = Context(env=env, spec=spec_obj, run_dir=run_dir, device=device)
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    ctx.watchdog = Watchdog(run_dir, attempt_id(), env.rank, node,
-                            spec_obj.distributed.hang_timeout_s if spec_obj else None,
-                            on_fire=(lambda: requeue_after_crash(env, spec_obj, run_dir)) if spec_obj else None).start()
+    run.watch()
     if spec_obj is not None:
-        ctx.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
-    ctx.stop_flag.install(stop_signals(spec_obj))
-    return ctx
+        run.checkpoint = make_checkpoint_manager(spec_obj, run_dir, env)
+    run.catch_signals()
+    return Context(env=env, spec=spec_obj, run_dir=run_dir, device=device, run=run)
 
 
 def make_checkpoint_manager(spec: Spec, run_dir: Path, env: DistEnv) -> CheckpointManager:

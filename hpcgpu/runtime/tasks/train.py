@@ -39,13 +39,12 @@ import torch.distributed as dist
 from hpcgpu.contract import RunPaths, folder_written_whole, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu import estimate as memory_estimate
-from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.collector import StepCollector
 from hpcgpu.runtime.context import Context, init
 from hpcgpu.runtime.data import (
     Batch, BatchSchedule, Blocks, TokenBlocks, causal_lm_loss, causal_lm_loss_sum, eval_batches, load_blocks,
     load_tokenizer)
-from hpcgpu.runtime.dist import Agreed, LaggedFlags, any_rank, coordination_group, init_process_group
+from hpcgpu.runtime.dist import Agreed, any_rank, coordination_group, init_process_group
 from hpcgpu.runtime.fused_loss import FusedLossLM, liger_sum_loss
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.runtime.lora import add_adapters, prepare_quantized, trainable_count, write_merged
@@ -56,7 +55,7 @@ from hpcgpu.runtime.requeue import mark_finished
 from hpcgpu.runtime.rng import rng_state, set_rng_state
 from hpcgpu.runtime.startup import StartupClock
 from hpcgpu.runtime.steplog import StepLog
-from hpcgpu.runtime.stop import StopNote, inject_signal, stop_job
+from hpcgpu.runtime.stop import StopNote, inject_signal
 from hpcgpu.runtime.strategies import lone_rank_group, strategy_for
 from hpcgpu.runtime.strategies.deepspeed import deepspeed_on_cpu
 from hpcgpu.runtime.track import open_tracking
@@ -622,7 +621,7 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
                 return outcome
     except BaseException:
         crashed = True
-        loop.agreement.abandon()
+        ctx.agreement.abandon()
         raise
     finally:
         loop.close(crashed)
@@ -633,8 +632,8 @@ def train_loop(ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: Startup
 
 @dataclass
 class StepLoop:
-    """What the train loop runs around each step: the step log, the agreed flags, the profiler, the
-    garbage collector's schedule and the progress bar."""
+    """What the train loop runs around each step: the step log, the agreement (the stop and the
+    checkpoint flags), the profiler, the garbage collector's schedule and the progress bar."""
 
     ctx: Context
     tr: Trainer
@@ -642,24 +641,17 @@ class StepLoop:
     clock: StartupClock | None
     bar: Any
     steplog: StepLog
-    agreement: LaggedFlags
     profiler: StepProfiler
     collector: StepCollector
 
     @classmethod
     def open(cls, ctx: Context, tr: Trainer, metrics: MetricsWriter, clock: StartupClock | None) -> "StepLoop":
         bar = progress(tr.max_steps, tr.step, ctx.is_main and sys.stdout.isatty())
-        # every rank's flags, agreed on a gloo group in host memory and one step late: nothing here waits
-        # for the GPU or for another rank, so the launch queue stays full. At 2 GPUs the loop is nearly
-        # host-bound, so any wait would leave the GPU idle until the host got ahead again: a logged step's
-        # loss is averaged and copied to the host asynchronously, and written by a later step's poll()
-        # once the GPU got there (StepLog); only step 1, the last step, eval and checkpoints wait
-        agreement = LaggedFlags(3, coordination_group(ctx.device))
         profiler = StepProfiler(tr.spec.train.profile, RunPaths(ctx.run_dir).profile, ctx.rank, ctx.device,
                                 first_step=tr.step, max_steps=tr.max_steps)
         collector = StepCollector(tr.spec.train.gc_every)
         collector.start()
-        return cls(ctx, tr, metrics, clock, bar, StepLog(tr, metrics, bar), agreement, profiler, collector)
+        return cls(ctx, tr, metrics, clock, bar, StepLog(tr, metrics, bar), profiler, collector)
 
     def step(self) -> str | None:
         """One optimizer step and what follows it; 'stopped' or 'early_stopped' to end the loop."""
@@ -670,8 +662,12 @@ class StepLoop:
             self.clock.first_step_done(ctx.device, self.metrics, tr.step)
         self.profiler.after_step(tr.step)
         inject_signal(ctx.spec, ctx.rank, tr.step, armed=tr.step != tr.start_step)  # not where it resumed
-        agreed = self.agreement.exchange([ctx.stop_flag.is_set, ckpt.due_by_time(), not ckpt.pending_done()],
-                                         tr.step)
+        # every rank's flags, agreed one step late (runtime/agree.py): nothing here waits for the GPU or
+        # for another rank, so the launch queue stays full. At 2 GPUs the loop is nearly host-bound, so
+        # any wait would leave the GPU idle until the host got ahead again: a logged step's loss is
+        # averaged and copied to the host asynchronously, and written by a later step's poll() once the
+        # GPU got there (StepLog); only step 1, the last step, eval and checkpoints wait
+        agreed = ctx.agreement.at_step([ckpt.due_by_time(), not ckpt.pending_done()], tr.step)
         stop, time_due, async_busy = agreed.flags
         time_due = time_due and posted_after(agreed, ckpt.last_saved_step)  # else that save reset it
         last = tr.step == tr.max_steps
@@ -700,8 +696,7 @@ class StepLoop:
                 early_stop(tr, self.metrics)
                 return "early_stopped"
         if stop:
-            self.steplog.flush()  # before the save: a kill in it must not lose the logged steps
-            save_checkpoint(ctx, tr, blocking=True)
+            self.steplog.flush()  # before the stop's save: a kill in it must not lose the logged steps
             return "stopped"
         if (ckpt.due_by_steps(tr.step) or time_due) and not last:
             with self.steplog.not_step_time():
@@ -713,7 +708,7 @@ class StepLoop:
         # a pending all-reduce never end: write the complete ones, wait for none
         self.steplog.flush(wait=not crashed)
         self.collector.close()
-        self.agreement.drain()
+        self.ctx.agreement.settle()
         self.profiler.close()
         if self.bar is not None:
             self.bar.close()
@@ -830,12 +825,13 @@ def record_plan(ctx: Context, plan: RunPlan, paths: RunPaths) -> None:
         write_plan(paths.plan, plan)
 
 
-def stop_run(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, just_saved: bool) -> int:
-    """After an agreed stop: the one stop (runtime/stop.py), with the step and whether it was saved."""
-    how = "with a checkpoint" if just_saved else "before the first step; nothing new to save"
+def stop_run(ctx: Context, tr: Trainer, save: bool) -> int:
+    """After an agreed stop: the run's one stop (runtime/run.py), with a checkpoint of this step where
+    the loop ran (save), and the step and whether its state is saved in the record."""
+    how = "with a checkpoint" if save else "before the first step; nothing new to save"
     # saved: the state is a checkpoint's (just written, or resumed from); False only before any
-    note = StopNote({"step": tr.step}, f"stopped at step {tr.step} {how}", {"saved": just_saved or tr.step > 0})
-    return stop_job(spec, ctx.env, ctx.run_dir, ctx.stop_flag.signum, note, metrics)
+    note = StopNote({"step": tr.step}, f"stopped at step {tr.step} {how}", {"saved": save or tr.step > 0})
+    return ctx.run.stop(note, save=(lambda: save_checkpoint(ctx, tr, blocking=True)) if save else None)
 
 
 def run_train(spec: Spec, paths: RunPaths) -> int:
@@ -847,7 +843,7 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             return 0
         plan, data = begin(ctx, spec, paths, clock)
         tracking = open_tracking(spec, paths, ctx.is_main)  # rank 0's TensorBoard / W&B, fed by metrics
-        metrics = MetricsWriter(paths.metrics, enabled=ctx.is_main, tracking=tracking)
+        metrics = ctx.run.open_metrics(tracking)  # closed with the run
         tr: Trainer | None = None
         try:
             tr = Trainer(ctx, spec, plan, data)
@@ -855,11 +851,9 @@ def run_train(spec: Spec, paths: RunPaths) -> int:
             if ctx.should_stop():
                 # the signal came while the job was starting: its state is the checkpoint it resumed
                 # from (or nothing yet), so nothing is lost by leaving now
-                return stop_run(ctx, spec, tr, metrics, just_saved=False)
+                return stop_run(ctx, tr, save=False)
             return train_to_end(ctx, spec, tr, metrics, tracking, clock)
         finally:
-            ctx.checkpoint.close()
-            metrics.close()
             # The DDP reducer must not hold the last reference to the gloo process group when the
             # context destroys it: freed from the reducer, the group's destructor joins its worker
             # threads with the GIL held while a worker may need the GIL to free a finished barrier's
@@ -895,12 +889,10 @@ def train_to_end(ctx: Context, spec: Spec, tr: Trainer, metrics: MetricsWriter, 
                  clock: StartupClock) -> int:
     """The loop, then the stop (75), or the best model restored, saved and the run marked finished (0)."""
     tracking.start(tr.start_step)  # plan.json is written; TensorBoard drops steps after the checkpoint
-    with GpuMonitor(ctx.run_dir, ctx.local_rank, spec.monitor.interval_s, node_rank=ctx.env.node_rank,
-                    enabled=spec.monitor.enabled and ctx.device.type == "cuda",
-                    on_sample=tracking.gpu_sample if tracking.active else None):
+    with ctx.run.monitor(ctx.device.type == "cuda", on_sample=tracking.gpu_sample if tracking.active else None):
         outcome = train_loop(ctx, tr, metrics, clock)
     if outcome == "stopped":
-        return stop_run(ctx, spec, tr, metrics, just_saved=True)
+        return stop_run(ctx, tr, save=True)
     restore_best(ctx, tr)
     with watchdog.slow():  # a multi-GB write, no steps
         save_final_model(ctx, tr)
