@@ -13,9 +13,10 @@ import click
 from hpcgpu.cli.options import read_spec, set_option
 from hpcgpu.cli.submit import print_submitted
 from hpcgpu.errors import UsageError
-from hpcgpu.launch import submission
 from hpcgpu.launch.checks import input_problems
+from hpcgpu.launch.executors import Submit, executor_named
 from hpcgpu.launch.registry import Registry
+from hpcgpu.launch.resolve import resolve
 from hpcgpu.spec.derive import mem_per_node
 
 
@@ -120,9 +121,12 @@ def submit_prepare_job(spec_file: str, overrides: tuple[str, ...], output: Optio
     problems = input_problems(spec)
     if problems:
         raise UsageError(problems[0])  # found now, not after the job's wait in the queue
-    job = prepare_job_spec(spec, spec_file, overrides, output, text_field, workers)
-    for record in submission.submit_to_slurm(job, [], str(Path(spec_file).resolve()), Registry(), fresh=True):
-        print_submitted(record, job)
+    slurm = executor_named("slurm")
+    # the resolve step's host checks, as for `hpcgpu submit`: what the job would fail on, found here
+    # (no warnings: SPEC's track settings are not this job's, whose command is ours)
+    job = resolve(prepare_job_spec(spec, spec_file, overrides, output, text_field, workers), slurm.use(dry_run=False))
+    for record in slurm.submit(job, str(Path(spec_file).resolve()), Registry(), Submit(fresh=True)):
+        print_submitted(record, job.spec)
 
 
 def prepare_job_spec(spec: Any, spec_file: str, overrides: tuple[str, ...], output: Optional[str],

@@ -77,15 +77,19 @@ def run_as_job(spec: object, runs_dir: Path, gpus: Optional[int], nodes: Optiona
                quiet: bool) -> tuple[list, int]:
     from hpcgpu import doctor as checks
     from hpcgpu.cli.submit import print_submitted, say
-    from hpcgpu.launch import submission
-    from hpcgpu.launch.cancel import exit_status, wait_for
+    from hpcgpu.launch.executors import Submit, executor_named
     from hpcgpu.launch.registry import Registry
+    from hpcgpu.launch.resolve import resolve
+    from hpcgpu.launch.wait import exit_status, wait_for
 
-    job = doctor_spec(spec, runs_dir, gpus, nodes, quick)
+    slurm = executor_named("slurm")
+    # the resolve step's host checks, as for `hpcgpu submit`: what the job would fail on, found here
+    # (no warnings: SPEC's track settings are not this job's, whose command is ours)
+    job = resolve(doctor_spec(spec, runs_dir, gpus, nodes, quick), slurm.use(dry_run=False))  # type: ignore[arg-type]
     registry = Registry()
-    records = submission.submit_to_slurm(job, [], "hpcgpu doctor", registry, fresh=True)  # type: ignore[arg-type]
+    records = slurm.submit(job, "hpcgpu doctor", registry, Submit(fresh=True))
     for record in records if not quiet else []:  # --json: stdout is the rows alone
-        print_submitted(record, job)  # type: ignore[arg-type]
+        print_submitted(record, job.spec)
     wait_for(registry, records, say)
     rows = checks.read_job_rows(Path(records[0].run_dir) / OUT_DIR)
     code = exit_status(records)

@@ -15,10 +15,10 @@ import click
 from hpcgpu.cli.table import format_table
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError, UsageError
-from hpcgpu.launch.cancel import cancel as cancel_job
-from hpcgpu.launch.joblogs import RANK_LABEL, log_files
+from hpcgpu.launch.executors import executor_for, refresh
+from hpcgpu.launch.joblogs import RANK_LABEL
 from hpcgpu.launch.progress import last_progress, run_warnings
-from hpcgpu.launch.state import find_job, is_final, refresh
+from hpcgpu.launch.state import find_job, is_final
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
 from hpcgpu.spec import load_spec
@@ -30,7 +30,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Machine-read
 # --- views ----------------------------------------------------------------------------------------
 
 def elapsed_of(job: JobRecord, unit: JobRecord | TaskRecord) -> str:
-    if unit.elapsed or job.executor == "slurm":
+    if unit.elapsed or executor_for(job).elapsed_from_scheduler:
         return unit.elapsed
     if isinstance(unit, TaskRecord):  # a local sweep's task: its own run, once started
         return format_duration(time.time() - unit.run_start) if unit.run_start else ""
@@ -74,7 +74,7 @@ def job_view(job: JobRecord, registry: Registry | None = None) -> dict[str, Any]
         view["progress"] = "-"
         hours = [t["gpu_hours"] for t in view["tasks"] if t["gpu_hours"] is not None]
         view["gpu_hours"] = round(sum(hours), 3) if hours else None  # the array's: all its tasks
-    view["logs"] = [str(p) for p in log_files(job, None)] if not job.is_array else []
+    view["logs"] = [str(p) for p in executor_for(job).log_files(job, None)] if not job.is_array else []
     return view
 
 
@@ -189,7 +189,7 @@ def status(job_ref: str | None, as_json: bool) -> None:
         if task is not None:
             view = dict(view, **next(t for t in view["tasks"] if t["id"] == task.id))
             view.pop("tasks")
-            view["logs"] = [str(p) for p in log_files(job, task)]
+            view["logs"] = [str(p) for p in executor_for(job).log_files(job, task)]
         if as_json:
             click.echo(json.dumps(view, indent=2))
         else:
@@ -235,12 +235,13 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
     one_unit(job, task, "logs")
     if rank is not None:
         check_rank(job_ref, Path((task or job).run_dir), rank)
-    files = log_files(job, task, rank)
+    executor = executor_for(job)
+    files = executor.log_files(job, task, rank)
     if not any(p.exists() for p in files) and not follow:
         state = (task or job).state
         raise UsageError(f"no log yet for {job_ref} ({state}): expected {files[0]}")
     offsets = {p: 0 for p in files}
-    emit = (lambda text: only_rank(text, rank)) if rank is not None and job.executor != "local" else (lambda text: text)
+    emit = (lambda text: only_rank(text, rank)) if rank is not None and executor.labels_ranks else (lambda text: text)
     try:
         print_new(offsets, emit)
         while follow:
@@ -314,4 +315,4 @@ def cancel(job_ref: str) -> None:
     """Cancel JOB: a SLURM job, one array task (123_4), a whole array (123) or a local job."""
     registry = Registry()
     job, task = find_job(registry, job_ref)
-    click.echo(cancel_job(registry, job, task, job_ref))
+    click.echo(executor_for(job).cancel(registry, job, task, job_ref))

@@ -7,14 +7,14 @@ import click
 
 from hpcgpu.cli.options import ignore_busy_option, spec_options
 from hpcgpu.contract import EXIT_STOPPED
-from hpcgpu.errors import JobFailed, SchedulerError
-from hpcgpu.launch import local_submit, submission
-from hpcgpu.launch.cancel import exit_status, wait_for
-from hpcgpu.launch.joblogs import log_files
+from hpcgpu.errors import JobFailed
+from hpcgpu.launch import local_submit
+from hpcgpu.launch.executors import EXECUTORS, Submit, executor_for, executor_named
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry
-from hpcgpu.launch.resolve import Resolved, read_resolved, submit_use
-from hpcgpu.spec import Spec, dump_spec
+from hpcgpu.launch.resolve import read_resolved
+from hpcgpu.launch.wait import exit_status, wait_for
+from hpcgpu.spec import Spec
 
 
 def say(message: str) -> None:
@@ -23,7 +23,7 @@ def say(message: str) -> None:
 
 @click.command()
 @spec_options
-@click.option("--executor", type=click.Choice(["slurm", "local"]), default="slurm", show_default=True,
+@click.option("--executor", "executor_name", type=click.Choice(list(EXECUTORS)), default="slurm", show_default=True,
               help="Where the job runs.")
 @click.option("--sweep", "sweeps", multiple=True, metavar="KEY=V1,V2",
               help="Sweep a spec key over values (grid with the spec's sweep:); one job array. Repeatable.")
@@ -35,28 +35,30 @@ def say(message: str) -> None:
               help="Start a fresh run dir instead of resuming the unfinished run of the same spec (one job; "
                    "a sweep always starts fresh).")
 @ignore_busy_option
-def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, executor: str,
+def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, executor_name: str,
            sweeps: tuple[str, ...], dry_run: bool, wait: bool, fresh: bool, ignore_busy: bool) -> int:
     """Submit SPEC to SLURM and return at once (job id, run dir, logs); --executor local runs it here."""
+    executor = executor_named(executor_name)
     # what the job would fail on after its wait in the queue, found here (one line, exit 2)
-    resolved = read_resolved(spec_file, overrides, gpus, nodes, sweeps, submit_use(executor, dry_run), say)
-    spec_ref = str(Path(spec_file).resolve())
-    if executor == "local":
-        return run_here(resolved, spec_ref, dry_run, fresh, ignore_busy)
-    return submit_slurm(resolved, spec_ref, dry_run, wait, fresh)
-
-
-# --- SLURM ----------------------------------------------------------------------------------------
-
-def submit_slurm(resolved: Resolved, spec_ref: str, dry_run: bool, wait: bool, fresh: bool = False) -> int:
+    resolved = read_resolved(spec_file, overrides, gpus, nodes, sweeps, executor.use(dry_run), say)
     if dry_run:
-        return print_dry_run(resolved)
-    registry = Registry()
-    records = submission.submit_to_slurm(resolved.spec, resolved.tasks, spec_ref, registry, fresh, say)
+        click.echo(executor.dry_run(resolved, say), nl=False)
+        return 0
+    how = Submit(fresh=fresh, ignore_busy=ignore_busy, say=say, started=say_started)
+    records = executor.submit(resolved, str(Path(spec_file).resolve()), Registry(), how)
+    if executor.runs_here:
+        return ended_here(records[0], fresh)
+    return submitted(records, resolved.spec, wait)
+
+
+# --- SLURM: submitted, waiting in its queue -------------------------------------------------------
+
+def submitted(records: list[JobRecord], spec: Spec, wait: bool) -> int:
     for record in records:
-        print_submitted(record, resolved.spec)
+        print_submitted(record, spec)
     if not wait:
         return 0
+    registry = Registry()
     wait_for(registry, records, say)
     code = exit_status(records)
     if code:
@@ -65,27 +67,12 @@ def submit_slurm(resolved: Resolved, spec_ref: str, dry_run: bool, wait: bool, f
     return 0
 
 
-def print_dry_run(resolved: Resolved) -> int:
-    spec, tasks = resolved.spec, resolved.tasks
-    try:
-        submission.check_cluster(tasks[0].spec if tasks else spec)
-    except SchedulerError as exc:  # no SLURM here: the script can still be shown
-        say(f"warning: the request was not checked against the cluster: {exc}")
-    click.echo("# --- resolved spec ---")
-    click.echo(dump_spec(spec), nl=False)
-    for task in tasks:
-        click.echo(f"# sweep task {task.index}: {task.label()}")
-    click.echo("# --- batch script (submitted by submitit; nothing was submitted) ---")
-    click.echo(submission.dry_run_script(spec, tasks), nl=False)
-    return 0
-
-
 def print_submitted(record: JobRecord, spec: Spec) -> None:
     run_dir = Path(record.run_dir)
     if not record.is_array:
         click.echo(f"job      {record.job_id}")
         click.echo(f"run dir  {run_dir}")
-        out, err = log_files(record, None)
+        out, err = executor_for(record).log_files(record, None)
         click.echo(f"stdout   {out}")
         click.echo(f"stderr   {err}")
         return
@@ -99,33 +86,21 @@ def print_submitted(record: JobRecord, spec: Spec) -> None:
     click.echo(f"logs     <task run dir>/slurm-{record.job_id}_<task>.out|.err")
 
 
-# --- local executor -------------------------------------------------------------------------------
+# --- the local executor: the job ran here and has ended -------------------------------------------
 
-def run_here(resolved: Resolved, spec_ref: str, dry_run: bool, fresh: bool, ignore_busy: bool) -> int:
-    """The local executor (hpcgpu/launch/local_submit.py) runs the job here; this prints."""
-    spec, tasks = resolved.spec, resolved.tasks
-    if dry_run:
-        click.echo(dump_spec(spec), nl=False)
-        for task in tasks:
-            click.echo(f"# sweep task {task.index}: {task.label()}")
-        click.echo(f"# would run {spec.world_size} local rank(s): python -m hpcgpu run <run dir>/spec.yaml"
-                   + (f", for each of {len(tasks)} sweep tasks in turn" if tasks else ""))
-        return 0
-    Registry().check()  # a damaged or unwritable registry stops here, before any run dir or rank exists
-    if tasks:
-        return run_sweep_here(resolved, spec_ref, ignore_busy)
-    return run_one_here(spec, spec_ref, fresh, ignore_busy)
+def say_started(record: JobRecord) -> None:
+    what = f"local sweep of {len(record.tasks)} tasks" if record.tasks else "local"
+    click.echo(f"job {record.job_id} ({what}), run dir {record.run_dir}", err=True)
 
 
-def run_sweep_here(resolved: Resolved, spec_ref: str, ignore_busy: bool) -> int:
-    """A sweep's tasks one after another here; exit with the worst task's code."""
-    count = len(resolved.tasks)
+def ended_here(record: JobRecord, fresh: bool) -> int:
+    """How a job run here ended, on one line; exit with its code (a sweep: the worst task's)."""
+    if record.tasks:
+        return sweep_ended(record)
+    return one_ended(record, fresh)
 
-    def started(record: JobRecord) -> None:
-        click.echo(f"job {record.job_id} (local sweep of {count} tasks), run dir {record.run_dir}", err=True)
 
-    record = local_submit.submit_local_sweep(resolved.spec, resolved.tasks, spec_ref, Registry(),
-                                             ignore_busy=ignore_busy, say=say, started=started)
+def sweep_ended(record: JobRecord) -> int:
     worst = local_submit.exit_code(record)
     if record.state == "CANCELLED":
         click.echo(f"job {record.job_id} cancelled; `hpcgpu status {record.job_id}` shows its tasks", err=True)
@@ -137,13 +112,8 @@ def run_sweep_here(resolved: Resolved, spec_ref: str, ignore_busy: bool) -> int:
     return 0
 
 
-def run_one_here(spec: Spec, spec_ref: str, fresh: bool, ignore_busy: bool) -> int:
-    """One job here (resuming an unfinished run of the same spec unless --new); its end, on one line."""
-    def started(record: JobRecord) -> None:
-        click.echo(f"job {record.job_id} (local), run dir {record.run_dir}", err=True)
-
-    record = local_submit.submit_local(spec, spec_ref, Registry(), fresh=fresh, ignore_busy=ignore_busy, say=say,
-                                       started=started)
+def one_ended(record: JobRecord, fresh: bool) -> int:
+    """One job run here (resuming an unfinished run of the same spec unless --new)."""
     code, job_id, run_dir = local_submit.exit_code(record), record.job_id, Path(record.run_dir)
     if code == EXIT_STOPPED:
         # --new again would start afresh in another run dir: the command that resumes is without it

@@ -10,11 +10,11 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpcgpu.contract import EXIT_STOPPED, Failure, read_failures, signal_hint
-from hpcgpu.launch.joblogs import (RANK_LABEL, TaskEnd, first_failed_task, last_line, log_files, rank_error_line,
-                                   tail_lines)
+from hpcgpu.launch.joblogs import (RANK_LABEL, TaskEnd, first_failed_task, last_line, rank_error_line, rank_log,
+                                   slurm_log_files, tail_lines)
 from hpcgpu.launch.registry import JobRecord, TaskRecord, units_of
 
 
@@ -22,9 +22,13 @@ FAILED_STATES = frozenset({"FAILED", "OUT_OF_MEMORY"})
 MESSAGE_CHARS = 300
 
 
-def explain_failures(job: JobRecord) -> bool:
-    """Give each FAILED unit of the job its reason, once (failure None: not looked at yet).
-    Returns whether anything changed."""
+# a job's executor's reader: (job, one run of it) -> (fields, one-line reason)
+FailureOf = Callable[[JobRecord, "JobRecord | TaskRecord"], "tuple[dict[str, Any], str]"]
+
+
+def explain_failures(job: JobRecord, failure_of: FailureOf) -> bool:
+    """Give each FAILED unit of the job its reason, once (failure None: not looked at yet), read by
+    its executor's `failure_of`. Returns whether anything changed."""
     changed = False
     for unit in units_of(job):
         if unit.state in FAILED_STATES and unit.failure is None:
@@ -37,22 +41,28 @@ def explain_failures(job: JobRecord) -> bool:
     return changed
 
 
-def failure_of(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, Any], str]:
-    """Which rank failed first, where, how, and its last error line -> (fields, one-line reason).
+def id_of(job: JobRecord, unit: JobRecord | TaskRecord) -> str:
+    return unit.id if isinstance(unit, TaskRecord) else job.job_id
 
-    Sources, most trusted first: the failure records the ranks (or the local executor) wrote;
-    srun's lines in the job's stderr; the exit code SLURM gives. Fields are {} when no rank is known.
-    """
+
+def local_failure(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, Any], str]:
+    """A local job's: the rank that failed first in its latest attempt, as the ranks (or the local
+    executor) recorded it, with its last log line where it said nothing -> (fields, one-line reason)."""
+    failure = latest_recorded_failure(Path(unit.run_dir), id_of(job, unit))
+    if failure is None:
+        return {}, ""  # the executor's own reason ("exit code N") stays
+    lines = tail_lines(rank_log(unit, failure.rank))
+    return described(replace(failure, message=failure.message or signal_hint(failure.exit_code)
+                              or last_line(lines)))
+
+
+def slurm_failure(job: JobRecord, unit: JobRecord | TaskRecord) -> tuple[dict[str, Any], str]:
+    """A SLURM job's: which rank failed first, where, how, and its last error line -> (fields,
+    one-line reason). Sources, most trusted first: the failure records the ranks wrote; srun's lines in
+    the job's stderr; the exit code SLURM gives. Fields are {} when no rank is known."""
     task = unit if isinstance(unit, TaskRecord) else None
-    unit_id = task.id if task else job.job_id
-    if job.executor == "local":
-        failure = latest_recorded_failure(Path(unit.run_dir), unit_id)
-        if failure is None:
-            return {}, ""  # the executor's own reason ("exit code N") stays
-        lines = tail_lines(log_files(job, task, failure.rank)[0])
-        return described(replace(failure, message=failure.message or signal_hint(failure.exit_code)
-                                  or last_line(lines)))
-    out_lines, err_lines = (tail_lines(p) for p in log_files(job, task))
+    out_lines, err_lines = (tail_lines(p) for p in slurm_log_files(job, task))
+    unit_id = id_of(job, unit)
     attempt = f"{unit_id}.{unit.restarts}"
     recorded = read_failures(Path(unit.run_dir), attempt)  # this run's records, oldest first
     failure = recorded[0] if recorded else None
@@ -104,6 +114,6 @@ def described(failure: Failure) -> tuple[dict[str, Any], str]:
 
 def latest_recorded_failure(run_dir: Path, unit_id: str) -> Failure | None:
     """The first failure the ranks recorded in this local job's latest attempt that recorded one (a
-    SLURM run reads its own attempt's: failure_of); an older attempt's record never speaks for it."""
+    SLURM run reads its own attempt's: slurm_failure); an older attempt's record never speaks for it."""
     mine = [f for f in read_failures(run_dir) if f.attempt.startswith(f"{unit_id}.")]
     return next((f for f in mine if f.attempt == mine[-1].attempt), None)

@@ -26,15 +26,18 @@ MONITOR_LINE = re.compile(r"^(\d\d:\d\d:\d\d )?(\[rank \d+\] )?gpu monitor: ")
 SIGNAL_TEXTS = {text.lower(): int(sig) for sig in signal.Signals if (text := signal.strsignal(sig))}
 
 
-def log_files(job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
-    """A local job's logs/rank-N.log, or a SLURM job's (or array task's) slurm-<id>.out and .err."""
-    if job.executor == "local":
-        return [RunPaths(Path(task.run_dir if task else job.run_dir)).rank_log(rank or 0)]
+def slurm_log_files(job: JobRecord, task: TaskRecord | None) -> list[Path]:
+    """A SLURM job's (or array task's) slurm-<id>.out and .err, in its run dir."""
     if task is not None:
         run_dir, stem = Path(task.run_dir), f"slurm-{task.id}"
     else:
         run_dir, stem = Path(job.run_dir), f"slurm-{job.job_id}"
     return [run_dir / f"{stem}.out", run_dir / f"{stem}.err"]
+
+
+def rank_log(unit: JobRecord | TaskRecord, rank: int | None = None) -> Path:
+    """A local job's (or sweep task's) logs/rank-N.log (rank 0 unless named)."""
+    return RunPaths(Path(unit.run_dir)).rank_log(rank or 0)
 
 
 @dataclass(frozen=True)

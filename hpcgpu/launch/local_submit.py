@@ -26,7 +26,7 @@ from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.gpu.busy import BusyThresholds, busy_detail, is_busy, select
 from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
-from hpcgpu.launch.failures import explain_failures
+from hpcgpu.launch.failures import explain_failures, local_failure
 from hpcgpu.launch.liveness import executor_alive, process_start
 from hpcgpu.launch.local import check_fits_here, local_gpus, run_local
 from hpcgpu.launch.progress import stop_summary
@@ -90,7 +90,8 @@ def run_dirs_in_use(registry: Registry) -> Callable[[Path], bool]:
     recorded as run by a live local executor (a job started before run dirs were locked, or one
     `hpcgpu queue` registered whose executor has not taken the lock yet)."""
     def in_use(run_dir: Path) -> bool:
-        return is_locked(run_dir) or any(j.executor == "local" and j.state == "RUNNING" and executor_alive(j)
+        # an executor process (pid) is the local executor's only: a SLURM job's ranks hold the lock
+        return is_locked(run_dir) or any(j.state == "RUNNING" and executor_alive(j)
                                          for j in registry.with_run_dir(str(run_dir)))
 
     return in_use
@@ -150,7 +151,7 @@ def run_recorded(registry: Registry, record: JobRecord, spec: Spec, run_dir: Pat
     if task is None or task is record.tasks[-1] or state == "CANCELLED":
         record.state = state if task is None else _sweep_state(record)
         record.ended = time.time()
-    explain_failures(record)  # which rank failed first, and its last error line, for status and the CLI
+    explain_failures(record, local_failure)  # which rank failed first, and its last error line, for status and the CLI
     registry.save(record)
     return code
 

@@ -33,9 +33,10 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, usage_text
 from hpcgpu.gpu.readings import GpuReading, GpuSource
 from hpcgpu.launch import local_submit
+from hpcgpu.launch.executors import refresh
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import Registry
-from hpcgpu.launch.state import is_final, refresh
+from hpcgpu.launch.state import is_final
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 

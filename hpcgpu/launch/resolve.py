@@ -37,9 +37,10 @@ SBATCH = Use(passthrough="warn", when="in the shell that runs sbatch")  # the sc
 QUEUE = Use(local=True, passthrough="error")  # its jobs run here, as `submit --executor local`
 
 
-def submit_use(executor: str, dry_run: bool) -> Use:
-    """`hpcgpu submit`: the job takes env_passthrough from this shell; --dry-run only warns."""
-    return Use(local=executor == "local", passthrough="warn" if dry_run else "error")
+def submit_use(local: bool, dry_run: bool) -> Use:
+    """`hpcgpu submit` (local: the local executor): the job takes env_passthrough from this shell;
+    --dry-run only warns."""
+    return Use(local=local, passthrough="warn" if dry_run else "error")
 
 
 @dataclass(frozen=True)

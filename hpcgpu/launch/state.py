@@ -1,8 +1,9 @@
 """A job's state after submission: refreshed from the scheduler, or, for the local executor, from its process.
 
-A refresh asks SLURM once for all the jobs it is given that are not final yet (one squeue call),
-and the local executor's jobs by their process; final states are never asked again. A FAILED job is
-given its reason once (hpcgpu/launch/failures.py).
+Each executor (hpcgpu/launch/executors.py, whose `refresh` takes any mix of jobs) refreshes its own:
+SLURM's once for all the jobs it is given that are not final yet (one squeue call), the local
+executor's by their process; final states are never asked again. A FAILED job is given its reason
+once (hpcgpu/launch/failures.py).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from hpcgpu.contract import RunPaths, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.hostlist import scontrol_fields
-from hpcgpu.launch.failures import explain_failures
+from hpcgpu.launch.failures import FailureOf, explain_failures
 from hpcgpu.launch.liveness import executor_alive, run_dir_held
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord, units_of
 from hpcgpu.launch.scheduler import (FINAL_STATES, JobInfo, format_duration, knows_job, parse_duration, query_jobs,
@@ -130,21 +131,26 @@ def adopt_sbatch_job(job_id: str) -> JobRecord | None:
                      state=fields.get("JobState", "PENDING"))
 
 
-def refresh(registry: Registry, jobs: list[JobRecord]) -> list[JobRecord]:
-    """Bring the jobs' states up to date (one scheduler call for all SLURM jobs) and save them."""
-    slurm = [j for j in jobs if j.executor == "slurm" and needs_query(j)]
-    infos = query_jobs([j.job_id for j in slurm]) if slurm else {}
-    asked = {id(j) for j in slurm}
+def refresh_slurm_jobs(registry: Registry, jobs: list[JobRecord], failure_of: FailureOf) -> None:
+    """SLURM's jobs up to date, saved: one scheduler call for all those not final (or revivable); a
+    FAILED one given its reason by `failure_of`."""
+    asked = [j for j in jobs if needs_query(j)]
+    infos = query_jobs([j.job_id for j in asked]) if asked else {}
+    asked_ids = {id(j) for j in asked}
     for job in jobs:
-        changed = False
-        if id(job) in asked:
-            changed = _refresh_slurm(job, infos)
-        elif job.executor == "local" and not is_final(job.state) and not executor_alive(job) \
-                and not run_dir_held(job):
-            changed = _refresh_ended_local(registry, job)
-        if explain_failures(job) or changed:
+        changed = id(job) in asked_ids and _refresh_slurm(job, infos)
+        if explain_failures(job, failure_of) or changed:
             registry.save(job)
-    return jobs
+
+
+def refresh_local_jobs(registry: Registry, jobs: list[JobRecord], failure_of: FailureOf) -> None:
+    """The local executor's jobs up to date, saved: one whose executor process is gone and whose run
+    dir no rank holds has ended; a FAILED one given its reason by `failure_of`."""
+    for job in jobs:
+        ended = not is_final(job.state) and not executor_alive(job) and not run_dir_held(job)
+        changed = ended and _refresh_ended_local(registry, job)
+        if explain_failures(job, failure_of) or changed:
+            registry.save(job)
 
 
 def _refresh_ended_local(registry: Registry, job: JobRecord) -> bool:

@@ -22,10 +22,13 @@ from hpcgpu.launch.rundir import (make_run_dir, resume_text, run_dir_path, runs_
 from hpcgpu.launch.runlock import is_locked
 from hpcgpu.launch.sbatch import ArrayIndex, render_body
 from hpcgpu.launch.scheduler import max_array_size, read_cluster
+from hpcgpu.launch.state import is_final
 from hpcgpu.launch.sweep import SweepTask, array_chunks, array_range, check_one_script, write_sweep
 from hpcgpu.spec import Spec
 
 Options = list[tuple[str, "str | None"]]
+# brings any jobs' states up to date, whichever executor ran them (hpcgpu/launch/executors.py `refresh`)
+Refresh = Callable[[Registry, list[JobRecord]], list[JobRecord]]
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,14 @@ def submit_plan(plan: Plan) -> str:
     return submit_command(plan.folder, plan.options, plan.command)
 
 
-def submit_single(spec: Spec, spec_file: str, registry: Registry, fresh: bool = False,
+def submit_single(spec: Spec, spec_file: str, registry: Registry, refresh: Refresh, fresh: bool = False,
                   say: Callable[[str], None] = lambda line: None) -> JobRecord:
     """One SLURM job of `spec`: in the newest unfinished run dir of the identical spec, resumed from its
     last complete checkpoint (as the local executor does), unless `fresh` or a job of it may still run."""
     check_cluster(spec)
     registry.check()  # a damaged or locked-out registry stops here: no job reaches SLURM untracked
     with contextlib.ExitStack() as held:
-        run_dir = None if fresh else resumable_run(spec, registry, held, say)
+        run_dir = None if fresh else resumable_run(spec, registry, held, say, refresh)
         made = run_dir is None
         run_dir = make_run_dir(spec) if run_dir is None else run_dir
         note = shared_folder_note(spec, run_dir) if made else None
@@ -92,13 +95,11 @@ def submit_single(spec: Spec, spec_file: str, registry: Registry, fresh: bool = 
 
 
 def resumable_run(spec: Spec, registry: Registry, held: contextlib.ExitStack,
-                  say: Callable[[str], None]) -> Path | None:
+                  say: Callable[[str], None], refresh: Refresh) -> Path | None:
     """The newest unfinished run dir of the identical spec whose every job has ended (the registry's
     rows, brought up to date), claimed for this submission (a lock that a concurrent submit of the same
     spec finds taken); None: a new run dir. A dir with a job that may still run, or with none recorded
     (a submission in flight), is never a second job's."""
-    from hpcgpu.launch.state import is_final, refresh  # the scheduler's queries: only on this path
-
     run_dir = next((d for d in runs_of_this_spec(spec) if not is_finished(d)), None)
     if run_dir is None:
         return None
@@ -140,12 +141,13 @@ def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: R
     return records
 
 
-def submit_to_slurm(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry, fresh: bool = False,
-                    say: Callable[[str], None] = lambda line: None) -> list[JobRecord]:
-    """tasks: the spec's sweep points (hpcgpu/launch/resolve.py), [] for a single job."""
+def submit_to_slurm(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: Registry, refresh: Refresh,
+                    fresh: bool = False, say: Callable[[str], None] = lambda line: None) -> list[JobRecord]:
+    """tasks: the spec's sweep points (hpcgpu/launch/resolve.py), [] for a single job; refresh: the
+    states of the jobs that ran in a run dir it would resume."""
     if tasks:
         return submit_sweep(spec, tasks, spec_file, registry)
-    return [submit_single(spec, spec_file, registry, fresh, say)]
+    return [submit_single(spec, spec_file, registry, refresh, fresh, say)]
 
 
 def dry_run_script(spec: Spec, tasks: list[SweepTask]) -> str:

@@ -371,6 +371,25 @@ def test_cli_prepares_a_specs_train_and_eval(tmp_path: Path, capsys: pytest.Capt
     assert train.tensor().equal(raw.tensor())
 
 
+def test_the_prepare_job_goes_through_the_resolve_steps_host_checks(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--submit makes its job's spec through launch/resolve.py: what the host checks refuse (here an
+    env_passthrough variable this shell lacks) is refused as `hpcgpu submit` refuses it, one line, exit 2,
+    before anything reaches SLURM or the registry."""
+    monkeypatch.delenv("HPCGPU_TEST_NEVER_SET", raising=False)
+    monkeypatch.setenv("HPCGPU_REGISTRY", str(tmp_path / "jobs.db"))
+    write_jsonl(tmp_path / "train.jsonl", DOCS)
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(f"name: exp\ntask: train\nmodel: {{config: {{model_type: gpt2}}}}\nruns_dir: {tmp_path / 'runs'}\n"
+                    f"data: {{train: {tmp_path / 'train.jsonl'}, seq_len: 16}}\nenv_passthrough: [HPCGPU_TEST_NEVER_SET]\n")
+    assert run_cli("data", "prepare", str(spec), "--submit") == 2
+    refused = capsys.readouterr().err
+    assert run_cli("submit", str(spec)) == 2
+    assert refused == capsys.readouterr().err and refused.count("\n") == 1
+    assert refused.startswith("hpcgpu: error: env_passthrough: HPCGPU_TEST_NEVER_SET is not set")
+    assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "runs").exists()
+
+
 # ---------------------------------------------------------------- training on it
 
 def test_one_rank_run_on_a_prepared_folder_follows_the_raw_files_loss_curve(tmp_path: Path) -> None:

@@ -38,3 +38,22 @@ def test_a_runs_dir_it_cannot_use_fails_and_says_which(tmp_path: Path) -> None:
 def test_sizing_a_job_without_submit_is_a_usage_error() -> None:
     done = doctor("--gpus", "2")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--submit" in done.stderr
+
+
+
+def test_the_doctor_job_goes_through_the_resolve_steps_host_checks(tmp_path: Path) -> None:
+    """--submit makes its job's spec through launch/resolve.py: what the host checks refuse (here an
+    env_passthrough variable this shell lacks) is refused as `hpcgpu submit` refuses it, one line, exit 2,
+    before anything reaches SLURM or the registry."""
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(f"name: d\ntask: command\ncommand: [echo]\nruns_dir: {tmp_path / 'runs'}\n"
+                    "env_passthrough: [HPCGPU_TEST_NEVER_SET]\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HPCGPU_REGISTRY": str(tmp_path / "jobs.db")}
+    env.pop("HPCGPU_TEST_NEVER_SET", None)
+    done, submitted = (subprocess.run([sys.executable, "-m", "hpcgpu", *args, str(spec)], capture_output=True,
+                                      text=True, timeout=120, env=env)
+                       for args in (["doctor", "--quick", "--submit"], ["submit"]))
+    assert (done.returncode, submitted.returncode) == (2, 2), done.stdout + done.stderr
+    assert done.stderr == submitted.stderr and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("hpcgpu: error: env_passthrough: HPCGPU_TEST_NEVER_SET is not set")
+    assert not (tmp_path / "jobs.db").exists() and not (tmp_path / "runs").exists()

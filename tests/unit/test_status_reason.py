@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from hpcgpu.cli import cli
 from hpcgpu.launch import progress
 from hpcgpu.launch import state as jobs_mod
+from hpcgpu.launch.executors import refresh
 from hpcgpu.contract import Failure, record_failure
 from hpcgpu.launch.joblogs import first_failed_task, last_line, rank_error_line, tail_lines
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
@@ -270,13 +271,13 @@ def test_a_stale_copy_of_a_local_job_that_has_ended_takes_its_recorded_result(tm
     held = registry.add(JobRecord("", "exp", "/s.yaml", str(run_dir), "local", state="RUNNING", pid=2**22 + 7))
     finished = registry.find(held.job_id)[0]
     registry.update(finished, state="COMPLETED", exit_code=0, reason="")  # the executor's own word
-    jobs_mod.refresh(registry, [held])  # its pid is gone and nothing holds the run dir
+    refresh(registry, [held])  # its pid is gone and nothing holds the run dir
     assert held.state == "COMPLETED" and held.exit_code == 0
     assert registry.find(held.job_id)[0].state == "COMPLETED"
     assert cli_json("status", held.job_id)["state"] == "COMPLETED"
 
     killed = registry.add(JobRecord("", "exp", "/s.yaml", str(run_dir), "local", state="RUNNING", pid=2**22 + 7))
-    jobs_mod.refresh(registry, [killed])  # no word from the executor: it was killed
+    refresh(registry, [killed])  # no word from the executor: it was killed
     assert registry.find(killed.job_id)[0].state == "FAILED"
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from conftest import CONFIGS, GOLDEN, REPO
 from hpcgpu.errors import HpcgpuError, SpecError, UsageError
-from hpcgpu.launch.cancel import exit_status
+from hpcgpu.launch.executors import refresh
 from hpcgpu.launch.progress import last_progress
 from hpcgpu.launch.state import array_state, shown_state
 from hpcgpu.launch.options import sbatch_options
@@ -27,6 +27,7 @@ from hpcgpu.launch.submission import array_plan, single_plan
 from hpcgpu.launch.submitit_slurm import check_same_options, directives_of, submission_text
 from hpcgpu.launch.sweep import (array_chunks, array_range, check_one_script, parse_sweep_flag, sweep_tasks,
                                  with_sweep)
+from hpcgpu.launch.wait import exit_status
 from hpcgpu.spec import load_spec
 
 RUN_DIR = Path("/runs/x/RUNID")
@@ -427,7 +428,7 @@ def test_refresh_asks_once_for_all_and_never_again_for_final_jobs(tmp_path, monk
                 JobRecord("5", "a", "s", "/r5", "slurm", state="COMPLETED")):
         reg.add(job)
     jobs = reg.all()
-    jobs_mod.refresh(reg, jobs)
+    refresh(reg, jobs)
     assert calls == [["1", "2", "3", "4"]]  # one call; the COMPLETED job is not asked about
     got = {j.job_id: j for j in Registry(tmp_path / "jobs.db").all()}
     assert (got["1"].state, got["1"].nodes, got["1"].elapsed) == ("RUNNING", "n1", "0:05")
@@ -437,7 +438,7 @@ def test_refresh_asks_once_for_all_and_never_again_for_final_jobs(tmp_path, monk
     assert got["4"].state != "PREEMPTED" and got["4"].restarts == 1  # asked again, and the answer taken
     calls.clear()
     answers.clear()
-    jobs_mod.refresh(reg, list(got.values()))
+    refresh(reg, list(got.values()))
     assert calls == [["1", "2", "4"]]
     assert Registry(tmp_path / "jobs.db").find("1")[0].state == "UNKNOWN"  # gone, no accounting, not finished
 
