@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from resumes import assert_resumed
 
 pytestmark = pytest.mark.slurm
 
@@ -102,4 +103,5 @@ def test_a_preempted_torchrun_script_stops_through_the_context_and_resumes(slurm
     metrics = slurm.metrics(run_dir)
     assert [(r["step"], r["restart_count"]) for r in metrics if r["kind"] == "stop"] == [(at, 0)], metrics
     assert [(r["step"], r["restart_count"]) for r in metrics if r["kind"] == "resume"] == [(at, 1)], metrics
+    assert_resumed(run_dir)
     assert max(slurm.loss_log(run_dir)) == 40

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from joblog import program_lines
+from resumes import assert_resumed
 from test_train_and_preempt import assert_same_weights, run_local, wait_settled
 
 pytestmark = pytest.mark.slurm
@@ -97,6 +98,7 @@ def test_preemption_through_submit_resumes_exactly(slurm):
     events = [r for r in slurm.metrics(run_dir) if r["kind"] in ("stop", "resume", "end")]
     stop, resume, end = events
     assert stop["reason"] == "preempted" and resume["restart_count"] == 1 and resume["step"] == stop["step"] >= 15
+    assert_resumed(run_dir)
     assert end["step"] == 120
     assert "requeued job" in slurm.hpcgpu("logs", job).stdout
     assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from resumes import assert_resumed
 from wandb_files import wandb_history
 
 pytestmark = pytest.mark.slurm
@@ -96,6 +97,7 @@ def test_preempt_signal_requeue_resume_equals_uninterrupted(slurm):
     assert resume["kind"] == "resume" and resume["restart_count"] == 1  # SLURM_RESTART_COUNT=1
     assert resume["step"] == stop["step"] >= 15 and resume["checkpoint"] == f"step-{stop['step']:08d}"
     assert end["step"] == 120
+    assert_resumed(run_dir)
     assert "requeued job" in out
 
     # the interrupted-and-resumed run is the uninterrupted one, bit for bit (CPU)
@@ -136,8 +138,8 @@ def test_requeue_cap_stops_a_job_signalled_over_and_over(slurm):
     # what `hpcgpu status` advises for such a job: requeued by hand, it goes on from its last checkpoint
     subprocess.run(["scontrol", "requeue", job], check=True)
     slurm.wait_for(lambda: restarts_seen() == 2, timeout=180, what="the job requeued by hand to resume")
-    resume = [r for r in slurm.metrics(run_dir) if r["kind"] == "resume"][-1]
-    assert resume["step"] == stops[-1]["step"]
+    resumes = assert_resumed(run_dir, restarts=2)
+    assert [r["restart_count"] for r in resumes] == [1, 2] and resumes[-1]["step"] == stops[-1]["step"]
     subprocess.run(["scancel", job], check=True)
     wait_settled(slurm, job, timeout=180)
     assert (run_dir / "checkpoints" / f"step-{stops[-1]['step']:08d}" / "COMPLETE").exists()
@@ -173,5 +175,6 @@ def test_an_fsdp_run_preempted_on_slurm_goes_on_from_its_shards_bit_for_bit(slur
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out
     stop, resume = (r for r in slurm.metrics(run_dir) if r["kind"] in ("stop", "resume"))
     assert resume["step"] == stop["step"] >= 10 and "fsdp: 2 block(s) and the root sharded over 2 rank(s)" in out
+    assert_resumed(run_dir)
     assert slurm.loss_log(run_dir) == slurm.loss_log(baseline)
     assert_same_weights(run_dir, baseline)

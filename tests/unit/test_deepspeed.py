@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import step_losses
+from resumes import assert_resumed
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -119,6 +120,7 @@ def test_preempt_and_resume_reproduces_the_uninterrupted_run(tmp_path, zero_runs
     second, again = submit(tmp_path, spec)
     assert second.returncode == 0, second.stderr[-3000:]
     assert again == run_dir
+    assert_resumed(run_dir)
     baseline = zero_runs[str(stage)]
     assert step_losses(run_dir) == step_losses(baseline)
     a, b = weights(run_dir), weights(baseline)
@@ -211,6 +213,7 @@ def test_lora_under_zero2_follows_ddp_and_resumes_from_a_checkpoint_without_the_
     assert module and all("lora_" in k or k.endswith("lm_head.weight") for k in module), list(module)
     second, again = submit(tmp_path / "z2", spec)
     assert second.returncode == 0 and again == run_dir, second.stderr[-3000:]
+    assert_resumed(run_dir)
     z, d = step_losses(run_dir), step_losses(ddp_dir)
     assert z.keys() == d.keys() and all(z[s] == pytest.approx(d[s], rel=1e-4) for s in z), (z, d)
     assert (run_dir / "model" / "adapter_config.json").is_file()

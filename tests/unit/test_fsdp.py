@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import TINY_GPT2, job_env, merge, only_run_dir, step_losses, submit, submit_all, train_spec, write_spec_file
+from resumes import assert_resumed
 
 STEPS = 8
 TWO_BLOCKS = {**TINY_GPT2, "n_layer": 2}  # sharded block by block: two blocks and the root
@@ -81,6 +82,7 @@ def test_a_stopped_fsdp_run_resumes_from_its_shards(tmp_path: Path, uninterrupte
     assert again.returncode == 0, again.stderr[-3000:]
     if after == 1:
         assert "from step 4 at 1 GPUs (it ran at 2; the global batch stays 8)" in again.stderr, again.stderr[-2000:]
+    assert_resumed(run_dir)
     got, want = step_losses(run_dir), step_losses(uninterrupted["fsdp"])
     assert got.keys() == want.keys()
     for step in want:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from conftest import TINY_GPT2, job_env, merge, step_losses, submit, submit_all, train_spec, write_spec_file
+from resumes import assert_resumed
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64,
@@ -85,6 +86,7 @@ def test_a_preempted_lora_run_resumes_bitwise_from_a_small_checkpoint(runs: dict
     """With LoRA dropout and gradient checkpointing on, 2 ranks: the resumed run draws the same masks."""
     plan = json.loads((runs["resumed"] / "plan.json").read_text())["train"]
     assert plan["gradient_checkpointing"] is True and plan["adapter"]["dropout"] == 0.1, plan
+    assert_resumed(runs["resumed"])
     assert step_losses(runs["resumed"]) == step_losses(runs["lorad"])
     assert step_losses(runs["lorad"]) != step_losses(runs["lora2"])  # the dropout draws count
     a, b = adapter(runs["resumed"]), adapter(runs["lorad"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_GPT2, job_env, only_run_dir, submit, train_spec, write_spec_file
+from resumes import assert_resumed
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import parse_size
 from hpcgpu.runtime.plan import RunPlan, check_recorded, plan_train
@@ -142,5 +143,6 @@ def test_a_requeued_run_reuses_its_recorded_plan(tmp_path: Path) -> None:
     assert "run plan:" not in log  # no fresh plan was decided
     assert json.loads((run_dir / "plan.json").read_text()) == recorded
     assert [r["step"] for r in records_of_kind(run_dir, "resume")] == [4]
+    assert_resumed(run_dir)
     assert [r["step"] for r in records_of_kind(run_dir, "train")] == list(range(1, 9))
     assert all(r["tokens"] == r["step"] * 8 * 64 for r in records_of_kind(run_dir, "train"))

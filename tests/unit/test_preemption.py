@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from resumes import assert_resumed
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +109,7 @@ def test_interrupt_and_resume_reproduces_the_uninterrupted_run(tmp_path, baselin
     assert run_dir_of(second) == run_dir
     (resume,) = records(run_dir, "resume")
     assert resume["step"] == stopped
+    assert_resumed(run_dir)
     assert_same_result(run_dir, baseline)
 
 
@@ -124,6 +126,7 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(tmp_path, ba
     assert second.returncode == 0, second.stderr[-2000:]
     (resume,) = records(run_dir, "resume")
     assert resume["checkpoint"] == "step-00000004"
+    assert_resumed(run_dir, at=[4])
     assert not (ckpts / ".step-00000008.tmp").exists()  # the partial write is cleaned up once superseded
     assert_same_result(run_dir, baseline)
 
@@ -142,6 +145,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, baseline
     assert "step-00000010 could not be loaded" in log
     (resume,) = records(run_dir, "resume")
     assert resume["checkpoint"] == "step-00000008"
+    assert_resumed(run_dir, at=[8])
     assert_same_result(run_dir, baseline)
 
 
@@ -183,6 +187,7 @@ def test_ctrl_c_checkpoints_and_the_same_command_resumes(tmp_path):
     again = submit(spec, "--set", "train.max_steps=400")
     assert again.returncode == 0, again.stderr[-2000:]
     assert records(run_dir, "resume")[0]["step"] == stop["step"]
+    assert_resumed(run_dir)
     assert max(losses(run_dir)) == 400
 
 
@@ -234,6 +239,7 @@ def test_async_checkpoints_resume_exactly(tmp_path, baseline):
     assert all((run_dir / "checkpoints" / d / "COMPLETE").exists() for d in done)
     second = submit(spec)
     assert second.returncode == 0, second.stderr[-2000:]
+    assert_resumed(run_dir)
     assert_same_result(run_dir, baseline)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from conftest import REPO, job_env, kill_leftovers, only_run_dir, train_records
+from resumes import assert_resumed
 from hpcgpu.runtime.context import Context
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.loader import ResumableLoader, merged_options, recommended_options
@@ -381,6 +382,7 @@ def test_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(example_
     (stop,) = [r for r in records if r["kind"] == "stop"]
     (resume,) = [r for r in records if r["kind"] == "resume"]
     assert stop["step"] == resume["step"] == STOP_AT and resume["checkpoint"] == f"step-{STOP_AT:08d}"
+    assert_resumed(run_dir)
     by_step = {r["step"]: r for r in records if r["kind"] == "train"}
     assert (by_step[STOP_AT]["epoch"], by_step[STOP_AT + 1]["epoch"]) == (1, 1)  # resumed mid-epoch
     assert losses(example_runs, "stop") == losses(example_runs, "bn2")  # exactly, every step

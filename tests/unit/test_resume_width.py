@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, only_run_dir, step_losses, submit, train_spec, write_spec_file
+from resumes import assert_resumed
 
 STEPS = 8
 
@@ -26,6 +27,7 @@ def test_a_stopped_run_goes_on_at_another_width_on_the_same_curve(tmp_path: Path
     run_dir = only_run_dir(tmp_path / "runs", "width")
     assert (f"resuming the unfinished run {run_dir} from step 4 at {after} GPUs (it ran at {before}; the global "
             "batch stays 8)") in again.stderr, again.stderr[-2000:]
+    assert_resumed(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == after and plan["widths"] == [before, after]
     assert plan["train"]["batch_per_rank"] == 8 // after

@@ -20,6 +20,7 @@ import pytest
 
 from wandb_files import wandb_config, wandb_history
 from conftest import EVAL_TEXT, job_env, only_run_dir, submit, train_spec, wait_for, write_spec_file
+from resumes import assert_resumed
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.gpu.readings import RecordedSource
 from hpcgpu.launch.checks import tracker_package_problem, wandb_login_problem
@@ -66,6 +67,7 @@ def test_both_trackers_mirror_a_stopped_and_resumed_train_run(tmp_path: Path) ->
     assert second.returncode == 0, second.stderr[-2000:]
     (resume,) = metrics(run_dir, "resume")
     assert resume["step"] == 8
+    assert_resumed(run_dir, at=[8])
     train = metrics(run_dir, "train")
     assert [r["step"] for r in train] == [*range(1, 11), *range(9, 13)]  # metrics.jsonl keeps every step
     tracked = [1, 2, 4, 6, 8, 10, 12]  # every_steps 2, and the first and last step

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import EVAL_TEXT, only_run_dir, submit, submit_all, train_records, train_spec, \
     write_spec_file
+from resumes import assert_resumed
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import DDP, GiB, activation_bytes, dims_from_config, estimate, with_checkpointing
 from hpcgpu.gpu.recommend import recommend
@@ -199,6 +200,7 @@ def test_early_stopping_stops_keeps_the_best_apart_and_survives_a_resume(jobs: d
     again = submit(folder / "early.yaml")
     run = finished((again, folder), "early")
     assert [r["step"] for r in records(run, "resume")] == [4]
+    assert_resumed(run)
     assert [r["step"] for r in records(run, "eval")] == [2, 4, 6]  # no final eval after the stop
     stop = records(run, "early_stop")
     assert len(stop) == 1 and (stop[0]["step"], stop[0]["best_step"]) == (6, 2)
