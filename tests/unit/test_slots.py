@@ -112,7 +112,8 @@ class RefillWatch:
     and each decode call's free slots while rows were still waiting for one."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.prefills, self.free_while_waiting = engine, [], []
+        self.prefills: list[tuple[int, int]] = []
+        self.free_while_waiting: list[int] = []
         self.started = 0
         prefill, decode = engine.prefill, engine.decode
 
