@@ -1,10 +1,12 @@
 """The one stop of every task after an agreed stop signal, and the drill that sends one.
 
-train, infer, ctx.stop and the command task all leave the same way: a SIGTERM that was srun ending
-the step after another rank failed is that crash (TornDown: raised, never requeued); otherwise the
-reason (timeout, preempted, ...), one "stop" record in metrics.jsonl, the trackers closed, rank 0
-requeues (capped by slurm.max_requeues) and the exit code of a stopped run, 75. What differs by task
-is only what the record and the line say (train: step and saved; infer: rows).
+train, infer, ctx.stop and the command task all leave the same way, through their run's
+`Run.stop` (runtime/run.py, the whole stop protocol): a SIGTERM that was srun ending the step after
+another rank failed is that crash (TornDown: raised, never requeued); otherwise the reason (timeout,
+preempted, ...), one "stop" record in metrics.jsonl (not the command task's: its program owns the
+file), the trackers closed, rank 0 requeues (capped by slurm.max_requeues) and the exit code of a
+stopped run, 75. What differs by task is only what the record and the line say (train: step and
+saved; infer: rows).
 """
 from __future__ import annotations
 
