@@ -38,6 +38,7 @@ from hpcgpu.runtime.signals import StopSignals, stop_signals
 from hpcgpu.runtime.stop import StopNote, stop_job
 from hpcgpu.runtime.watchdog import Watchdog
 from hpcgpu.spec import Spec
+from hpcgpu.spec.derive import signal_name
 
 log = logging.getLogger("hpcgpu")
 
@@ -76,7 +77,7 @@ class Run:
 
     def catch_signals(self, on_signal: Callable[[int], None] | None = None) -> None:
         """The spec's stop signals from now on set this run's flag (one that came early included)."""
-        self.signals.install(stop_signals(self.spec), on_signal)
+        self.signals.install(stop_signals(signal_name(self.spec) if self.spec else None), on_signal)
 
     @property
     def metrics(self) -> MetricsWriter:

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import torch
 
 from hpcgpu.runtime import signals as stop_signals_module
 from hpcgpu.runtime.agree import StopAgreement
 from hpcgpu.runtime.signals import StopSignals, catch_early_signals
+
+
+def test_the_early_handlers_load_nothing_slow() -> None:
+    """`hpcgpu run` installs them first: a USR2 while a heavy import runs would kill the rank."""
+    code = "import sys, hpcgpu.runtime.signals; print(sorted(m for m in sys.modules if m.startswith('hpcgpu')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(loaded) == ["hpcgpu", "hpcgpu.contract", "hpcgpu.runtime", "hpcgpu.runtime.signals"], loaded
 
 
 def test_a_signal_during_start_up_counts_and_each_signal_is_handed_over_once() -> None:
