@@ -9,6 +9,7 @@ import time
 import pytest
 
 from hpcgpu.contract import first_failure
+from test_train_and_preempt import wait_settled
 
 pytestmark = pytest.mark.slurm
 
@@ -32,8 +33,7 @@ def test_a_crashing_rank_is_a_crash_not_a_preemption(slurm, how: str) -> None:
     info = slurm.wait(job, timeout=120)
     out = slurm.job_output(run_dir, job)
     assert info["JobState"] == "FAILED", out
-    time.sleep(3)  # a requeue by rank 0 would show by now
-    info = slurm.job(job)
+    info = wait_settled(slurm, job)  # no process of the job left that could requeue it
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", out
     assert "requeued job" not in out and "preempted" not in out, out
     assert "a crash, not a preemption" in out
@@ -65,13 +65,16 @@ def test_a_preemption_signal_while_starting_requeues_and_the_run_completes(slurm
 
 def test_scontrol_requeue_is_reported_as_a_requeue(slurm) -> None:
     spec = slurm.write_spec({"name": "outside", "task": "command", "command": [sys.executable, "-c",
-                             "import time; time.sleep(120)"], "resources": {"gpus": 2, "cpus_per_gpu": 1}})
+                             "import time; print('PROGRAM-UP', flush=True); time.sleep(120)"],
+                             "resources": {"gpus": 2, "cpus_per_gpu": 1}})
     script, run_dir = slurm.render(spec)
     job = slurm.sbatch(script)
     try:
         slurm.wait_for(lambda: "slurm" in "".join(p.name for p in run_dir.glob("slurm-*.out"))
                        and slurm.job(job).get("JobState") == "RUNNING", timeout=60, what="the job to run")
-        time.sleep(3)
+        # both ranks run the program: their wrappers are past start-up, watching for a requeue
+        slurm.wait_for(lambda: slurm.job_output(run_dir, job).count("PROGRAM-UP") == 2, timeout=60,
+                       what="the program on both ranks")
         subprocess.run(["scontrol", "requeue", job], check=True)
         slurm.wait_for(lambda: "requeued from outside" in slurm.job_output(run_dir, job), timeout=60,
                        what="rank 0 to report the requeue")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import EVAL_TEXT, REPO, only_run_dir, submit_all, train_records, train_spec, write_spec_file
+from conftest import EVAL_TEXT, REPO, only_run_dir, submit_all, train_records, train_spec, wait_for, write_spec_file
 from hpcgpu.cli import main
 from hpcgpu.data import PreparedData, cache_entry, is_prepared, open_training_data, prepare, prepared_for
 from hpcgpu.data import format as fmt
@@ -443,9 +443,13 @@ def test_a_prepare_killed_outright_takes_its_workers_along_quietly(tmp_path: Pat
     while "preparing " not in log.read_text():
         assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
         time.sleep(0.05)
-    time.sleep(0.5)
-    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                              text=True).stdout.split()]
+
+    def both_workers() -> list[int] | None:
+        found = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                text=True).stdout.split()]
+        return found if len(found) >= 2 else None
+
+    workers = wait_for(both_workers, timeout=30)
     assert workers, "no worker processes to check"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
@@ -454,5 +458,5 @@ def test_a_prepare_killed_outright_takes_its_workers_along_quietly(tmp_path: Pat
               for w in workers):
         assert time.monotonic() < deadline, "a worker outlived its killed prepare"
         time.sleep(0.1)
-    time.sleep(0.5)
+    # every worker has exited: whatever it wrote is in the log
     assert "BrokenPipeError" not in log.read_text() and "Traceback" not in log.read_text(), log.read_text()[-2000:]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import job_env, only_run_dir, submit_cmd, write_spec_file
+from resumes import assert_resumed
 from hpcgpu.contract import first_failure
 
 FILLS = '''
@@ -77,3 +78,4 @@ def test_a_full_disk_is_the_reason_and_the_run_resumes_after_space_is_freed(tmp_
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"resuming the unfinished run {run_dir}" in again.stderr
     assert "resumed at step 1" in again.stdout + again.stderr
+    assert_resumed(run_dir, at=[1])  # a failure, not a stop: no stop record names the step

@@ -287,7 +287,7 @@ def test_a_second_ctrl_c_kills_and_is_a_cancellation_not_a_failure(tmp_path: Pat
     proc, run_dir = start_long_train(tmp_path, "twice", "--new")
     try:
         os.kill(proc.pid, signal.SIGINT)
-        time.sleep(0.2)
+        assert wait_for(lambda: "asking all ranks to checkpoint" in (tmp_path / "twice.out").read_text(), timeout=30)
         os.kill(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130
         assert not rank_processes(marker)

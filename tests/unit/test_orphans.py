@@ -214,7 +214,8 @@ def test_a_program_started_with_child_dies_with_me_dies_with_its_starter() -> No
     try:
         assert middle.stdout is not None
         grandchild = int(middle.stdout.readline())
-        time.sleep(0.3)  # past the shim: the program itself runs under that pid now
+        # past the shim (its code calls prctl): the program itself runs under that pid now
+        assert wait_for(lambda: b"prctl" not in Path(f"/proc/{grandchild}/cmdline").read_bytes(), timeout=10)
         assert alive(grandchild)
         middle.kill()
         middle.wait()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import EVAL_TEXT, REPO, only_run_dir, submit, train_spec, write_spec_file
+from conftest import EVAL_TEXT, REPO, only_run_dir, submit, train_spec, wait_for, write_spec_file
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.gpu.readings import RecordedSource
 
@@ -75,8 +75,10 @@ def test_report_of_a_cpu_run_plots_what_it_has(cpu_run, tmp_path):
 def test_report_with_gpu_samples_and_a_restart(cpu_run, tmp_path, monkeypatch):
     run = copy_run(cpu_run, tmp_path)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    with GpuMonitor(run, 0, 0.05, source=RecordedSource.from_file(FIXTURES / "nvml_h100x8_shared.json"), node_rank=0):
-        time.sleep(0.3)
+    with GpuMonitor(run, 0, 0.05, source=RecordedSource.from_file(FIXTURES / "nvml_h100x8_shared.json"),
+                    node_rank=0) as monitor:  # a few samples of both GPUs in gpu.jsonl
+        assert wait_for(lambda: len(monitor.summaries) == 2 and all(s.samples >= 3 for s in monitor.summaries.values()),
+                        timeout=30), monitor.summaries
     with open(run / "metrics.jsonl", "a") as fh:  # as a preempted and resumed job appends it
         fh.write(json.dumps({"kind": "resume", "time": time.time(), "step": 6, "checkpoint": "step-6"}) + "\n")
         fh.write(json.dumps({"kind": "startup", "time": time.time(), "step": 7, "total_s": 31.5,
