@@ -61,8 +61,9 @@
 #            ab-train, ab-infer (a refactor's spot check, before/after interleaved in one call: this checkout
 #            against the package in .ab/old, `git archive REV hpcgpu | tar -x -C .ab/old`, carry .ab):
 #            ab-train: $AB_ROUNDS train_vs_loops rounds (default 1, pooled over calls in /tmp/tvl-ab) of hpcgpu
-#            and hpcgpu+old at $AB_GPUS (default 1,2); ab-infer: 3 rounds of infer_throughput's 768 rows,
-#            hpcgpu and hpcgpu old
+#            and hpcgpu+old at $AB_GPUS (default 1,2), $AB_STEPS timed steps (default 600); ab-infer: 3 rounds of
+#            infer_throughput's $AB_ROWS rows (default 768), hpcgpu and hpcgpu old, the call's budget left its deadline
+#            ($AB_INFER_FITS s needed to start, default 330)
 #            lora-tests (#35: tests/gpu/test_gpu_lora.py: LoRA at 1 GPU compiled in bf16, QLoRA int4, and with 2 GPUs
 #            LoRA's DDP curve against the 1-GPU one; $LORA_TESTS_K: a pytest -k; runs kept in $LORA_TEST_DIR,
 #            default /tmp/lora-tests, so a later -k two_gpus reuses the 1-GPU run; ~2.5 min, +1.5 with 2 GPUs),
@@ -171,11 +172,12 @@ run_step() {
       # profile_step.py copies each program's traces to $OUT/profile/{minimal,hpcgpu}: one archive comes back, not ~8 files
       [ -d "$OUT/profile" ] && tar czf "$OUT/profiles.tgz" -C "$OUT" profile && rm -rf "$OUT/profile" ;;
     ab-train) fits 200 && mkdir -p /tmp/tvl-ab && step python3 benchmarks/train_vs_loops.py --gpus "${AB_GPUS:-1,2}" \
-        --programs hpcgpu --hpcgpu-variants "old@.ab/old" --repeats "${AB_ROUNDS:-1}" --work /tmp/tvl-ab \
+        --programs hpcgpu --hpcgpu-variants "old@.ab/old" --repeats "${AB_ROUNDS:-1}" ${AB_STEPS:+--steps "$AB_STEPS"} --work /tmp/tvl-ab \
         --append /tmp/tvl-ab/rounds.json --json "$OUT/ab_train.json" \
         --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 20 )) 2>&1 | tee "$OUT/ab_train.log" | tail -30 ;;
-    ab-infer) fits 330 && step python3 benchmarks/infer_throughput.py --model gpt2-350m --variants "hpcgpu,hpcgpu old" --old-checkout .ab/old \
-        --rows 768 --repeats 3 --work /tmp/ib-ab --json "$OUT/ab_infer.json" 2>&1 | tee "$OUT/ab_infer.log" | tail -25 ;;
+    ab-infer) fits "${AB_INFER_FITS:-330}" && step python3 benchmarks/infer_throughput.py --model gpt2-350m --variants "hpcgpu,hpcgpu old" --old-checkout .ab/old \
+        --rows "${AB_ROWS:-768}" --repeats 3 --work /tmp/ib-ab --json "$OUT/ab_infer.json" \
+        --deadline $(( ${CALL_BUDGET:-570} - (SECONDS - T0) - 15 )) 2>&1 | tee "$OUT/ab_infer.log" | tail -25 ;;
     mfu) run_step mfu-gpt2; run_step mfu-llama ;;
     lora-tests) fits "${LORA_TESTS_FITS:-150}" && HPCGPU_LORA_TEST_DIR="${LORA_TEST_DIR:-/tmp/lora-tests}" pytest_gpu tests/gpu/test_gpu_lora.py \
         ${LORA_TESTS_K:+-k "$LORA_TESTS_K"} | tee -a "$OUT/gpu_tests.log" | tail -25 ;;

@@ -124,3 +124,32 @@ def test_architecture_code_map_answers_where_is(what):
     assert what in arch and short in arch, f"docs/architecture.md should say where {what} is ({path})"
     text = (REPO / path).read_text()
     assert name is None or name in text, f"{path} no longer holds {name!r}: update docs/architecture.md"
+
+
+# ... and each "where to add" question: the bullet names the registry and its file, and the file holds it
+WHERE_TO_ADD = {
+    "A task": ("runtime/tasks/__init__.py", "TASKS", "TASKS: dict[str, Task] = {"),
+    "A strategy": ("runtime/strategies/__init__.py", "STRATEGIES", "STRATEGIES: dict[str, type[Strategy]] = {"),
+    "A launcher": ("runtime/env.py", "LAUNCHERS", "LAUNCHERS = {"),
+    "An executor": ("launch/executors.py", "EXECUTORS", "EXECUTORS: dict[str, Executor] = {"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(WHERE_TO_ADD))
+def test_architecture_says_where_to_add(what):
+    path, registry, definition = WHERE_TO_ADD[what]
+    arch = (REPO / "docs" / "architecture.md").read_text()
+    section = arch.split("## Where to add", 1)[-1].split("\n## ", 1)[0]
+    bullet = next((b for b in section.split("\n- ") if b.lstrip("- ").startswith(f"**{what}**")), "")
+    assert path in bullet and f"`{registry}`" in bullet, \
+        f"docs/architecture.md's 'Where to add' should name {registry} in {path} for {what.lower()}"
+    assert definition in (REPO / "hpcgpu" / path).read_text(), f"hpcgpu/{path} no longer defines {registry}"
+
+
+def test_every_task_the_spec_allows_has_its_registry_line():
+    from typing import get_args, get_type_hints
+
+    from hpcgpu.runtime.tasks import TASKS
+    from hpcgpu.spec.schema import Spec
+
+    assert set(get_args(get_type_hints(Spec)["task"])) == set(TASKS)

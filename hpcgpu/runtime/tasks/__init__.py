@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import os
 import shutil
 import socket
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpcgpu.contract import (EXIT_STOPPED, Failure, RunPaths, attempt_id, flight_recorder_note, record_failure,
@@ -16,36 +17,42 @@ from hpcgpu.contract import (EXIT_STOPPED, Failure, RunPaths, attempt_id, flight
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.runtime.requeue import TornDown, peer_failure, requeue_after_crash
-from hpcgpu.runtime.tasks.command import run_command
 from hpcgpu.spec import Spec
 
 MAX_ERROR_CHARS = 400  # an in-job error is one short line: a library's 12 KB message is cut
 
 
+@dataclass(frozen=True)
+class Task:
+    """A task a spec can name: its module (imported only when the task runs: train and infer load torch
+    and transformers, and task: command's wrapper stays light beside the user's program), its entry,
+    and whether hub ids come from the local cache only (checked at submit: a missing one fails at once
+    instead of retrying the network for a minute; set HF_HUB_OFFLINE=0 in env: to let the job download;
+    not for command/callable, whose own code decides)."""
+
+    module: str
+    entry: str
+    offline_hub: bool = False
+    wants_spec_path: bool = False  # the command task hands the spec's path to the user's program
+
+
+# A new task: its module under runtime/tasks/, one line here, its name in spec/schema.py's `Spec.task`
+TASKS: dict[str, Task] = {
+    "train": Task("hpcgpu.runtime.tasks.train", "run_train", offline_hub=True),
+    "infer": Task("hpcgpu.runtime.tasks.infer", "run_infer", offline_hub=True),
+    "command": Task("hpcgpu.runtime.tasks.command", "run_command", wants_spec_path=True),
+    "callable": Task("hpcgpu.runtime.tasks.callable", "run_callable"),
+}
+
+
 def _dispatch(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
-    if spec.task == "command":
-        return run_command(spec, spec_path, paths)
-    # the other tasks load torch (train and infer transformers too): only the one that runs, and never
-    # for task: command, whose wrapper stays light beside the user's program
-    if spec.task == "callable":
-        from hpcgpu.runtime.tasks.callable import run_callable
-
-        return run_callable(spec, paths)
-    if spec.task in ("train", "infer"):
-        # hub ids come from the local cache (checked at submit): a missing one fails at once instead of
-        # retrying the network for a minute; set HF_HUB_OFFLINE=0 in env: to let the job download.
-        # Before transformers loads: huggingface_hub reads it at import. Not for command/callable: the
-        # user's own code decides
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if spec.task == "train":
-        from hpcgpu.runtime.tasks.train import run_train
-
-        return run_train(spec, paths)
-    if spec.task == "infer":
-        from hpcgpu.runtime.tasks.infer import run_infer
-
-        return run_infer(spec, paths)
-    raise HpcgpuError(f"task: {spec.task} is not a task of this version; use train, infer, command or callable")
+    task = TASKS.get(spec.task)
+    if task is None:
+        raise HpcgpuError(f"task: {spec.task} is not a task of this version; use {', '.join(TASKS)}")
+    if task.offline_hub:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers loads: huggingface_hub reads it at import
+    entry = getattr(importlib.import_module(task.module), task.entry)
+    return entry(spec, spec_path, paths) if task.wants_spec_path else entry(spec, paths)
 
 
 def run_task(spec: Spec, spec_path: Path, paths: RunPaths) -> int:
