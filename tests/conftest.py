@@ -38,6 +38,16 @@ def _private_job_registry(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.pop("HPCGPU_REGISTRY", None)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_defaults(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """No test reads the developer's ~/.config/hpcgpu/defaults.yaml: the user's defaults file is looked
+    for in an empty folder (tests of defaults files write one there or set their own)."""
+    import os
+
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+    os.environ.pop("HPCGPU_NO_DEFAULTS", None)
+
+
 @pytest.fixture
 def plain_model_vocab() -> Callable[[Path], int]:
     """plain_model_vocab(model_dir) -> the vocab size of its logits, loaded and run in a fresh

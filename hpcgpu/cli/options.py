@@ -27,7 +27,7 @@ def spec_options(f: F) -> F:
 
 def read_spec(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | None = None,
               nodes: int | None = None) -> Spec:
-    return load_spec(spec_file, overrides, gpus=gpus, nodes=nodes)
+    return load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, defaults=True)
 
 
 ignore_busy_option = click.option(

@@ -22,7 +22,7 @@ from hpcgpu.spec import load_spec
 def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None,
            output: str | None) -> None:
     """Write an sbatch script for SPEC; submit it with `sbatch FILE`."""
-    spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes)
+    spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, defaults=True)
     if spec.sweep:
         # one script is one job: rendering only the first point would silently drop the others
         raise UsageError(f"the spec sweeps {', '.join(spec.sweep)}: `hpcgpu submit` runs a sweep as one job "

@@ -11,11 +11,13 @@ from hpcgpu.launch.resolve import VALIDATE, read_resolved
 from hpcgpu.launch.sweep import check_one_script
 from hpcgpu.spec import dump_spec
 from hpcgpu.spec.derive import fixed_max_steps
+from hpcgpu.spec.load import spec_sources
 
 
 @click.command()
 @spec_options
-@click.option("--full", is_flag=True, help="Print the whole resolved spec as YAML.")
+@click.option("--full", is_flag=True, help="Print the whole resolved spec as YAML, and where each value set came "
+              "from (a file line, a defaults file's, or a flag).")
 def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, full: bool) -> None:
     """Check SPEC and print what it resolves to."""
     # input files, model type, runs_dir: what the job would fail on, found here
@@ -48,5 +50,14 @@ def validate(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes
     opts = " ".join(f"--{k}" + ("" if v is None else f"={v}") for k, v in sbatch_options(spec, Path("RUN_DIR")))
     click.echo(f"  sbatch    {opts}")
     if full:
-        click.echo("---")
+        print_sources(spec_sources(spec_file, overrides, gpus, nodes))
+        click.echo("---")  # below: exactly the spec.yaml a run dir gets
         click.echo(dump_spec(spec), nl=False)
+
+
+def print_sources(sources: dict[str, str]) -> None:
+    """Where each value set came from: the spec's lines, a defaults file's, or a flag."""
+    click.echo("  sources   (a key not listed is its default)")
+    width = max(map(len, sources), default=0)
+    for key, source in sources.items():
+        click.echo(f"    {key:<{width}}  {source}")

@@ -2,7 +2,7 @@
 
 `hpcgpu validate`, `hpcgpu sbatch`, `hpcgpu submit` (SLURM and local) and `hpcgpu queue` all read a
 spec through `read_resolved`, so the spec a job runs is the same whichever command made it:
-    load_spec (YAML, --set, --gpus/--nodes)  ->  with_sweep (--sweep flags)  ->  sweep_tasks
+    load_spec (defaults files, YAML, --set, --gpus/--nodes)  ->  with_sweep (--sweep flags)  ->  sweep_tasks
     ->  check_host (every task: what the job would fail on, found here; errors name their key)
     ->  resolve_gpus_per_replica (infer.gpus_per_replica: auto becomes a number, written to spec.yaml)
 What differs between the commands is only how the job will run (`Use`): the local executor or SLURM,
@@ -60,7 +60,7 @@ def read_resolved(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | N
                   nodes: int | None = None, sweeps: tuple[str, ...] = (), use: Use = VALIDATE,
                   say: Say | None = None) -> Resolved:
     """Read SPEC with its --set/--gpus/--nodes/--sweep flags and resolve it (see the module's text)."""
-    spec = with_sweep(load_spec(spec_file, overrides, gpus=gpus, nodes=nodes), sweeps)
+    spec = with_sweep(load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, defaults=True), sweeps)
     return resolve(spec, use, say)
 
 

@@ -154,25 +154,171 @@ def load_spec(
     nodes: int | None = None,
     *,
     need_data: bool = True,
+    defaults: bool = False,
 ) -> Spec:
     """Read, override and validate a spec file.
 
     need_data=False skips only the data.train requirement of task: train: `hpcgpu estimate` needs the
-    model, the batch and data.seq_len, not the text (validate, sbatch, submit and run keep it)."""
+    model, the batch and data.seq_len, not the text (validate, sbatch, submit and run keep it).
+    defaults=True merges the user's and the project's defaults files under the spec (`defaults_files`):
+    the host commands that read a user's spec ask for it; a run dir's spec.yaml is already merged and
+    is read without them, so a requeue runs what was submitted whatever the files say by then."""
     p = Path(path)
+    raw, lines = read_layers(p, defaults=defaults)
+    spec = spec_from_raw(raw, lines, overrides, gpus=gpus, nodes=nodes, need_data=need_data)
+    return resolve_paths(spec, p.resolve().parent)
+
+
+def read_spec_file(p: Path) -> tuple[dict, LineMap]:
+    """The spec file's keys and their lines."""
     try:
         text = p.read_text()
     except FileNotFoundError:
-        raise SpecError("", "spec file not found", source=str(path)) from None
+        raise SpecError("", "spec file not found", source=str(p)) from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise SpecError("", f"cannot read the spec: {exc.__class__.__name__}", source=str(path)) from None
+        raise SpecError("", f"cannot read the spec: {exc.__class__.__name__}", source=str(p)) from None
     if not text.strip():
-        raise SpecError("", "the spec file is empty; it needs at least `name:`", source=str(path))
-    raw, lines = read_yaml(text, str(path))
+        raise SpecError("", "the spec file is empty; it needs at least `name:`", source=str(p))
+    raw, lines = read_yaml(text, str(p))
     if raw is None:
-        raise SpecError("", "the spec file has no keys (only comments?); it needs at least `name:`", source=str(path))
-    spec = spec_from_raw(raw, lines, overrides, gpus=gpus, nodes=nodes, need_data=need_data)
-    return resolve_paths(spec, p.resolve().parent)
+        raise SpecError("", "the spec file has no keys (only comments?); it needs at least `name:`", source=str(p))
+    return raw, lines
+
+
+# Defaults files: spec keys a project or a user gives every spec (partition, account, slurm.setup, ...)
+NO_DEFAULTS_ENV = "HPCGPU_NO_DEFAULTS"  # set (to anything but 0) to read neither file
+PROJECT_DEFAULTS = "hpcgpu.yaml"
+# keys naming files or folders: relative in a defaults file means relative to that file's folder
+DEFAULTS_PATH_KEYS = ("runs_dir", "data.train", "data.eval", "data.cache_dir", "model.name_or_path",
+                      "model.adapter", "infer.input", "distributed.deepspeed.config")
+
+
+def defaults_files(spec_path: Path) -> list[Path]:
+    """The defaults files under a spec, weakest first: the user's, then the project's."""
+    if os.environ.get(NO_DEFAULTS_ENV, "") not in ("", "0"):
+        return []
+    files = [user_defaults_file(), project_defaults_file(spec_path)]
+    return [f for f in files if f is not None and f.is_file()]
+
+
+def user_defaults_file() -> Path | None:
+    config = os.environ.get("XDG_CONFIG_HOME", "")
+    try:
+        base = Path(config) if os.path.isabs(config) else Path.home() / ".config"  # XDG: a relative one is ignored
+    except RuntimeError:  # no home to look in
+        return None
+    return base / "hpcgpu" / "defaults.yaml"
+
+
+def project_defaults_file(spec_path: Path) -> Path | None:
+    """The nearest hpcgpu.yaml from the spec's folder up, below the user's home (a file in home or above
+    it is not one project's) and up to the filesystem root."""
+    spec_path = spec_path.resolve()
+    try:
+        home: Path | None = Path.home().resolve()
+    except RuntimeError:
+        home = None
+    for folder in spec_path.parents:
+        if folder == home:
+            return None
+        candidate = folder / PROJECT_DEFAULTS
+        if candidate.is_file() and candidate != spec_path:
+            return candidate
+    return None
+
+
+def read_layers(spec_path: Path, *, defaults: bool) -> tuple[dict, LineMap]:
+    """The spec's keys over the defaults files' (deep-merged mappings, lists replaced), each key's line
+    kept with the file it came from, so that every later error names the right file."""
+    raw, lines = read_spec_file(spec_path)
+    files = defaults_files(spec_path) if defaults else []
+    if not files:
+        return raw, lines
+    merged: dict = {}
+    merged_lines = LineMap(lines.source)
+    for file in files:
+        merge_layer(merged, *read_defaults_file(file), "", merged_lines)
+    merge_layer(merged, raw, lines, "", merged_lines)
+    return merged, merged_lines
+
+
+def read_defaults_file(path: Path) -> tuple[dict, LineMap]:
+    shown = _home_short(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError("", f"cannot read this defaults file: {exc.__class__.__name__} (or set "
+                        f"{NO_DEFAULTS_ENV}=1 to read no defaults files)", source=shown) from None
+    data, lines = read_yaml(text, shown)
+    if data is None:
+        return {}, lines  # empty, or only comments
+    if not isinstance(data, dict):
+        raise SpecError("", f"a defaults file holds spec keys (slurm:, resources:, ...), got {type(data).__name__}",
+                        source=shown)
+    _rebase_paths(data, path.resolve().parent)
+    return data, lines
+
+
+def _home_short(path: Path) -> str:
+    """~/.config/hpcgpu/defaults.yaml rather than the whole path, in messages."""
+    try:
+        homes = [Path.home(), Path.home().resolve()]
+    except RuntimeError:
+        return str(path)
+    for home in homes:
+        if path.is_relative_to(home):
+            return "~/" + str(path.relative_to(home))
+    return str(path)
+
+
+def _rebase_paths(data: dict, base: Path) -> None:
+    for key in DEFAULTS_PATH_KEYS:
+        *parents, last = key.split(".")
+        node: Any = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(last) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        if key == "model.name_or_path" and not is_local_path(value, base):
+            continue  # a hub id
+        expanded = os.path.expanduser(value)
+        node[last] = expanded if os.path.isabs(expanded) else str((base / expanded).resolve())
+
+
+def merge_layer(into: dict, layer: dict, layer_lines: LineMap, path: str, lines: LineMap) -> None:
+    """Merge one file's keys into `into`: a mapping over a mapping merges key by key; anything else
+    replaces what was there, and the replaced keys' lines go with it."""
+    for key, value in layer.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge_layer(into[key], value, layer_lines, sub, lines)
+        else:
+            into[key] = value
+            for gone in [k for k in lines.lines if k.startswith(sub + ".")]:
+                del lines.lines[gone]
+                lines.files.pop(gone, None)
+            for below in [k for k in layer_lines.lines if k.startswith(sub + ".")]:
+                lines.lines[below] = layer_lines.lines[below]
+                lines.files[below] = layer_lines.source or ""
+        if sub in layer_lines.lines:
+            lines.lines[sub] = layer_lines.lines[sub]
+            lines.files[sub] = layer_lines.source or ""
+
+
+def spec_sources(path: str | os.PathLike, overrides: Iterable[str] = (), gpus: int | None = None,
+                 nodes: int | None = None) -> dict[str, str]:
+    """Where each value set anywhere came from (file:line or the flag), by dotted key; a key not listed
+    is its default. The spec is read as load_spec(defaults=True) reads it."""
+    raw, lines = read_layers(Path(path), defaults=True)
+    apply_flags(raw, lines, overrides, gpus, nodes)
+    out = {key: f"{lines.files.get(key, lines.source)}:{line}" for key, line in lines.lines.items()
+           if not any(other.startswith(key + ".") for other in lines.lines)}
+    for key, flag in lines.flags.items():
+        for covered in [k for k in out if k == key or k.startswith(key + ".")]:
+            del out[covered]
+        out[key] = flag
+    return dict(sorted(out.items()))
 
 
 def resolve_paths(spec: Spec, base: Path) -> Spec:
@@ -230,14 +376,20 @@ def spec_from_raw(raw: Any, lines: LineMap | None = None, overrides: Iterable[st
     lines = lines or LineMap()
     if not isinstance(raw, dict):
         raise lines.error("", f"the spec must be a mapping of keys (name:, task:, ...), got {type(raw).__name__}")
+    raw = apply_flags(raw, lines, overrides, gpus, nodes)
+    spec = parse_section(Spec, raw, "", lines)
+    check_spec(spec, lines, need_data=need_data)
+    return spec
+
+
+def apply_flags(raw: dict, lines: LineMap, overrides: Iterable[str], gpus: int | None, nodes: int | None) -> dict:
+    """--set, then --gpus/--nodes, over the spec's keys (a copy)."""
     raw = apply_overrides(raw, overrides, lines)
     for flag, key, value in (("--gpus", "resources.gpus", gpus), ("--nodes", "resources.nodes", nodes)):
         if value is not None:
             set_dotted(raw, key, value, lines)
             lines.flags[key] = f"{flag} {value}"
-    spec = parse_section(Spec, raw, "", lines)
-    check_spec(spec, lines, need_data=need_data)
-    return spec
+    return raw
 
 
 def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:

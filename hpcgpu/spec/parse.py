@@ -12,11 +12,14 @@ from hpcgpu.errors import SpecError
 
 
 class LineMap:
-    """Where each dotted key came from: a file line, or the --set flag that set it."""
+    """Where each dotted key came from: a file line, or the --set flag that set it.
+
+    `source` is the spec file; `files` names another file for keys a defaults file gave."""
 
     def __init__(self, source: str | None = None):
         self.source = source
         self.lines: dict[str, int] = {}
+        self.files: dict[str, str] = {}
         self.flags: dict[str, str] = {}
 
     def error(self, path: str, message: str) -> SpecError:
@@ -27,7 +30,7 @@ class LineMap:
             if prefix in self.flags:
                 return SpecError(path, message, source=self.flags[prefix])
             if prefix in self.lines:
-                return SpecError(path, message, source=self.source, line=self.lines[prefix])
+                return SpecError(path, message, source=self.files.get(prefix, self.source), line=self.lines[prefix])
         return SpecError(path, message, source=self.source)
 
 
