@@ -39,19 +39,24 @@ import functools
 import importlib.util
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 from urllib.parse import urlparse
 
+from hpcgpu.contract import launcher_owned
 from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.gpu.estimate import linear_layer_names, parse_max_memory, unknown_targets_problem
 from hpcgpu.gpu.model_types import model_type_problem
 from hpcgpu.infer_inputs import Row, read_rows, rows_fit_problem
+from hpcgpu.launch.container import image_is_path, input_paths
 from hpcgpu.launch.registry import file_system_type
 from hpcgpu.launch.replicas import quantization_problem
 from hpcgpu.spec import Spec
 from hpcgpu.spec.load import export_drops, is_local_path
+from hpcgpu.spec.schema import ENV_NAME_RE, looks_secret
 
 Warn = Callable[[str], None]
 
@@ -60,19 +65,6 @@ Warn = Callable[[str], None]
 
 # the keys that may name a local input file, in the order they are checked
 INPUT_KEYS = ("data.train", "data.eval", "distributed.deepspeed.config", "infer.input", "model.name_or_path")
-
-
-def input_paths(spec: Spec) -> list[tuple[str, str]]:
-    """(key, path) of every local input the spec names; a hub id (gpt2, org/name) is not one."""
-    out = [(key, value) for key, value in (
-        ("data.train", spec.data.train), ("data.eval", spec.data.eval),
-        ("distributed.deepspeed.config", spec.distributed.deepspeed.config)) if value]
-    if spec.task == "infer" and spec.infer.input:
-        out.append(("infer.input", spec.infer.input))
-    name = spec.model.name_or_path
-    if name and is_local_path(name, Path.cwd()):
-        out.append(("model.name_or_path", name))
-    return out
 
 
 def input_problem(key: str, value: str) -> str | None:
@@ -556,6 +548,55 @@ def netrc_has_machine(path: Path, host: str) -> bool:
     return any(word == "machine" and nxt == host for word, nxt in zip(words, words[1:]))
 
 
+# --- container: (launch/container.py) ---------------------------------------------------------
+
+# what a shell would read as more than a word (the image is quoted where written: a value like this is a mistake)
+SHELL_SPECIAL = re.compile(r"[\s;&|<>$`\\\"'(){}*?!\[\]]")
+
+
+def container_image_problem(spec: Spec) -> str | None:
+    """container.image: a word with no shell metacharacters; an image file that exists here."""
+    c = spec.container
+    if c is None:
+        return None
+    if not c.image or SHELL_SPECIAL.search(c.image):
+        return f"{c.image!r} is not an image name: no spaces or shell characters ($ ; & | ` quotes ...)"
+    if image_is_path(c) and not Path(c.image).expanduser().exists():
+        return f"image file not found: {c.image}"
+    return None
+
+
+def container_runtime_problem(spec: Spec, here: Here) -> str | None:
+    """container.runtime: the local executor runs the runtime itself (pyxis needs SLURM's srun)."""
+    c = spec.container
+    if c is None or here.slurm:
+        return None
+    if c.runtime == "pyxis":
+        return "pyxis runs only through SLURM's srun; the local executor takes apptainer or singularity"
+    if shutil.which(c.runtime, path=(here.environ or os.environ).get("PATH")) is None:
+        return f"{c.runtime} is not on PATH here (the local executor runs each rank through it)"
+    return None
+
+
+def container_mounts_problem(spec: Spec) -> str | None:
+    """container.mounts: each SRC:DST[:ro|rw] with a SRC that exists (the shape is the schema's)."""
+    for mount in spec.container.mounts if spec.container else []:
+        source, _, rest = mount.partition(":")
+        if not rest.startswith("/") or not Path(source).expanduser().exists():
+            return f"{mount!r}: SRC:DST with an existing SRC folder or file and an absolute DST"
+    return None
+
+
+def container_env_problem(spec: Spec) -> str | None:
+    """container.env: what env: may hold (launch/container.py writes it into job.sbatch too)."""
+    for name, value in spec.container.env.items() if spec.container else []:
+        if not re.match(ENV_NAME_RE, name) or launcher_owned(name):
+            return f"{name}: not a name container.env may set (a shell's variable name, not one the launcher sets)"
+        if looks_secret(name) and value:
+            return f"{name} looks like a secret, written into spec.yaml and job.sbatch: use env_passthrough"
+    return None
+
+
 # --- all together: a table of spec key -> check ------------------------------------------------
 
 @dataclass(frozen=True)
@@ -642,6 +683,10 @@ def _infer(check: Callable[[Spec], str | None]) -> Problem:
 # in this order: the first problem found is the one reported
 SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("model.quantization", lambda spec, here: quantization_problem(spec, local=not here.slurm)),
+    HostCheck("container.image", lambda spec, _: container_image_problem(spec)),
+    HostCheck("container.runtime", container_runtime_problem),
+    HostCheck("container.mounts", lambda spec, _: container_mounts_problem(spec)),
+    HostCheck("container.env", lambda spec, _: container_env_problem(spec)),
     *(input_check(key) for key in INPUT_KEYS),
     HostCheck("model.name_or_path", lambda spec, here: hub_model_problem(spec, here.environ)),
     HostCheck("model.config.model_type", lambda spec, _: model_type_problem(spec)),

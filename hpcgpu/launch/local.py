@@ -34,6 +34,7 @@ from hpcgpu.contract import (ENV_JOB_START, ENV_LAUNCHER, ENV_LOCAL_JOB, ENV_PEN
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.source import default_source
 from hpcgpu.launch import runlock
+from hpcgpu.launch.container import rank_argv
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
@@ -158,7 +159,7 @@ def start_ranks(spec: Spec, spec_path: Path, run_dir: Path, job_id: str, echo: I
         env = rank_environ(spec, i, world, job_id, port, gpus, run_dir, restart_count)
         env[PARENT_PID_VAR] = str(os.getpid())  # the rank dies with us (`hpcgpu run` reads it first)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "hpcgpu", "run", str(spec_path)],
+            rank_argv(spec, str(spec_path), run_dir, gpus=bool(gpus)),  # through the container, if any
             env=env, stdout=subprocess.PIPE if pipe else log, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,  # Ctrl-C reaches the executor only; it decides what ranks get
             pass_fds=() if lock.fd is None else (lock.fd,),  # the run dir stays locked while a rank lives

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -11,7 +10,8 @@ from string import Template
 
 from hpcgpu.errors import SpecError
 from hpcgpu.hostlist import PORT_SHELL
-from hpcgpu.contract import BATCH_SIGNAL_SHELL
+from hpcgpu.contract import BATCH_SIGNAL_SHELL, ENV_JOB_START, ENV_RUN_DIR
+from hpcgpu.launch.container import container_exports, rank_argv, srun_words
 from hpcgpu.launch.options import asks_gpus, per_node_text, sbatch_options
 from hpcgpu.spec.derive import nccl_env, signal_name
 from hpcgpu.spec.schema import Spec
@@ -87,13 +87,29 @@ def render_body(spec: Spec, run_dir: Path, spec_path: Path, python: str | None =
         spec_path_q='"$spec_path"' if array else shlex.quote(str(spec_path)),
         run_dir_q='"$run_dir"' if array else shlex.quote(str(run_dir)),
         setup="\n".join(spec.slurm.setup) if spec.slurm.setup else "# (none)",
-        env_lines="\n".join(f"export {k}={shlex.quote(v)}" for k, v in env_exports(spec).items()),
+        env_lines="\n".join(f"export {k}={shlex.quote(v)}"
+                            for k, v in (env_exports(spec) | container_exports(spec)).items()),
         # from the job id, not from the submitting shell: sbatch exports the caller's environment
         master_port=shlex.quote(user_port) if user_port else PORT_SHELL,
-        python=shlex.quote(python or sys.executable),
+        rank_command=rank_command(spec, run_dir, '"$spec_path"' if array else shlex.quote(str(spec_path)), python),
         signal=signal_name(spec),
         batch_signal_file=BATCH_SIGNAL_SHELL,
     )
+
+
+# what the script exports for the ranks, beside env_exports: pyxis must keep them over an image's values
+LAUNCH_ENV = ("PYTHONUNBUFFERED", ENV_JOB_START, ENV_RUN_DIR, "MASTER_ADDR", "MASTER_PORT")
+SPEC_WORD = "\0spec"  # stands for the spec path, which is shell text already ("$spec_path" in an array)
+
+
+def rank_command(spec: Spec, run_dir: Path, spec_path_q: str, python: str | None) -> str:
+    """srun's command: a container's srun options, then what each rank runs (launch/container.py)."""
+    argv = rank_argv(spec, SPEC_WORD, run_dir, gpus=asks_gpus(spec), python=python)
+    words = [spec_path_q if w == SPEC_WORD else shlex.quote(w) for w in argv]
+    srun = srun_words(spec, run_dir, [*env_exports(spec), *LAUNCH_ENV])
+    # the last five: `python -m hpcgpu run SPEC`; before them a runtime's prefix (apptainer exec ...)
+    lines = [" ".join(part) for part in (srun, words[:-5]) if part]
+    return " \\\n  ".join([*lines, " ".join(words[-5:])])
 
 
 def launch_what(spec: Spec) -> str:

@@ -389,6 +389,26 @@ class Track:
         "train.log_every", min=1))
 
 
+# SRC:DST[:ro|rw], both absolute (SRC may start with ~); no ',' (pyxis's list separator) nor spaces
+MOUNT_RE = r"^(~|/)[^:,\s]*:/[^:,\s]*(:(ro|rw))?$"
+
+
+@dataclass(frozen=True)
+class Container:
+    image: str = field(metadata=meta(
+        "the image every rank runs in: a SIF file or a docker:// URI (apptainer, singularity); an enroot "
+        "URI or a squashfs file (pyxis)"))
+    runtime: Literal["apptainer", "singularity", "pyxis"] = field(default="apptainer", metadata=meta(
+        "apptainer or singularity (`exec` around each rank, also under the local executor); pyxis "
+        "(srun --container-image, SLURM only)"))
+    mounts: list[str] = field(default_factory=list, metadata=meta(
+        "more folders to mount; the runs dir, the spec's input paths, hpcgpu's code and the working dir are "
+        "mounted always", pattern=MOUNT_RE, fmt="SRC:DST or SRC:DST:ro, absolute paths, no commas"))
+    env: dict[str, str] = field(default_factory=dict, metadata=meta(
+        "variables set inside the container over the image's own (the host's environment reaches the "
+        "ranks already)"))
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
@@ -421,6 +441,8 @@ class Spec:
         pattern=ENV_NAME_RE, fmt="an environment variable name like HF_TOKEN"))
     sweep: dict[str, list[Any]] = field(default_factory=dict, metadata=meta("dotted.key: [values] grid"))
     runs_dir: str = field(default="runs", metadata=meta("where run directories are made", pattern=r"^[^\x00-\x1f]*$", fmt="a path on one line"))
+    container: Optional[Container] = field(default=None, metadata=meta(
+        "run every rank inside this container image (docs/containers.md); absent: on the host"))
 
     @property
     def gpus_per_task(self) -> int:

@@ -33,7 +33,7 @@ export SRUN_CPUS_PER_TASK=$${SLURM_CPUS_PER_TASK:-${cpus}}
 # every output line with its rank ("1: ..."): `hpcgpu logs JOB --rank 1` shows one rank.
 set +e
 srun --kill-on-bad-exit=1 --label --ntasks-per-node=${tasks} --cpus-per-task=${cpus} \
-  ${python} -m hpcgpu run ${spec_path_q} &
+  ${rank_command} &
 srun_pid=$$!
 while :; do
   wait "$$srun_pid"; rc=$$?
