@@ -120,6 +120,21 @@ class RunPaths:
         return self.run_dir / "compile-cache"
 
     @property
+    def code(self) -> Path:
+        """The code snapshot taken at submit (command, callable): every rank, requeue and resume runs it."""
+        return self.run_dir / "code"
+
+    @property
+    def provenance(self) -> Path:
+        """provenance.json: the commit, dirty or not, the snapshot's source, Python and package versions."""
+        return self.run_dir / "provenance.json"
+
+    @property
+    def code_diff(self) -> Path:
+        """code.diff: `git diff HEAD` of a dirty tree at submit."""
+        return self.run_dir / "code.diff"
+
+    @property
     def outputs(self) -> Path:
         """task: infer: one row per input row, in input order (merged at the end)."""
         return self.run_dir / "outputs.jsonl"

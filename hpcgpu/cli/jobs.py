@@ -21,6 +21,7 @@ from hpcgpu.launch.progress import last_progress, run_warnings
 from hpcgpu.launch.state import find_job, is_final
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
+from hpcgpu.launch.snapshot import commit_text
 from hpcgpu.spec import load_spec
 
 job_argument = click.argument("job_ref", metavar="JOB")
@@ -57,6 +58,7 @@ def unit_view(job: JobRecord, unit: JobRecord | TaskRecord) -> dict[str, Any]:
         "eta_s": round(eta) if (eta := progress.eta_s()) is not None and unit.state == "RUNNING" else None,
         "progress": progress.text(), "run_dir": unit.run_dir,
         "warnings": run_warnings(unit.run_dir) if unit.run_dir else [],
+        "commit": commit_text(unit.run_dir) if unit.run_dir else None,  # the code it runs (provenance.json)
     }
 
 
@@ -149,7 +151,7 @@ def print_job(view: dict[str, Any]) -> None:
                          ("elapsed", (view["elapsed"] or "-") + (" (all runs)" if view["restarts"] else "")),
                          ("gpu time", gpu_time_text(view)), ("nodes", view["nodes"] or "-"),
                          ("restarts", view["restarts"]), ("submitted", view["submitted"]),
-                         ("spec", view["spec"]), ("run dir", view["run_dir"])):
+                         ("spec", view["spec"]), ("commit", view.get("commit")), ("run dir", view["run_dir"])):
         if value is not None:
             click.echo(f"{label:<10}{value}")
     if "tasks" not in view:

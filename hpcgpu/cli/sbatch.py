@@ -34,7 +34,7 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
     run_dir = run_dir_path(spec)
     spec_path = RunPaths(run_dir).spec
     text = render_sbatch(spec, run_dir, spec_path, script_hint=output or str(run_dir / "job.sbatch"))
-    make_run_dir(spec, run_id=run_dir.name)  # only once the script renders: no run dir for a refused one
+    make_run_dir(spec, run_id=run_dir.name, spec_file=spec_file)  # only once the script renders: no run dir for a refused one
     try:
         write_atomic(run_dir / "job.sbatch", text, mode=0o755)
     except OSError as exc:

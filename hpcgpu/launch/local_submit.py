@@ -193,7 +193,7 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
             if finished is not None:  # the queue skips such a line; submit runs again, and says so
                 say(f"the same spec finished in {finished}; starting a new run")
             for attempt in range(3):
-                run_dir = make_run_dir(spec)
+                run_dir = make_run_dir(spec, spec_file=spec_ref)
                 try:  # locked from here until the ranks have ended (the executor holds it too)
                     held.enter_context(runlock.hold(run_dir))
                     break
@@ -218,7 +218,7 @@ def submit_local_sweep(spec: Spec, tasks: list[SweepTask], spec_ref: str, regist
     for task in tasks:
         check_fits_here(task.spec)
     check_busy(spec, ignore_busy, say)
-    sweep = write_sweep(spec, tasks)
+    sweep = write_sweep(spec, tasks, spec_ref)
     record = registry.add(new_record(spec, spec_ref, sweep.root, pid=os.getpid()))
     record.tasks = [TaskRecord(f"{record.job_id}_{t.index}", str(d), t.values, gpus=record.gpus)
                     for t, d in zip(tasks, sweep.run_dirs)]
@@ -251,7 +251,7 @@ def register(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool = Fal
     run_dir = unfinished_run(spec, registry, fresh)
     resumed = run_dir is not None
     if run_dir is None:
-        run_dir = make_run_dir(spec)
+        run_dir = make_run_dir(spec, spec_file=spec_ref)
     return registry.add(new_record(spec, spec_ref, run_dir, environ=environ, state="PENDING")), resumed
 
 

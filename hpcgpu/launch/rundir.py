@@ -13,6 +13,7 @@ import yaml
 
 from hpcgpu.errors import SpecError
 from hpcgpu.contract import COMPLETE_MARKER, RunPaths, is_finished
+from hpcgpu.launch.snapshot import plan_snapshot, write_code
 from hpcgpu.spec import Spec, dump_spec
 
 
@@ -26,19 +27,28 @@ def run_dir_path(spec: Spec, root: str | os.PathLike | None = None, run_id: str 
     return (base / spec.name / (run_id or new_run_id())).resolve()
 
 
-def make_run_dir(spec: Spec, root: str | os.PathLike | None = None, run_id: str | None = None) -> Path:
-    """Create the run dir and write spec.yaml atomically (never a half-written spec).
+def make_run_dir(spec: Spec, root: str | os.PathLike | None = None, run_id: str | None = None,
+                 spec_file: str | os.PathLike | None = None) -> Path:
+    """Create the run dir and write spec.yaml atomically (never a half-written spec); with the spec's
+    file, the code snapshot and provenance.json too (launch/snapshot.py), a snapshot over code.max_mb
+    refused before any folder is made.
 
     A runs_dir that cannot hold it (read-only, a file in the way, under /proc) is one SpecError naming
     runs_dir and the path, and every folder made on the way is removed again."""
+    spec_file = spec_file or None  # a queue line may carry none
+    snapshot = plan_snapshot(spec, spec_file) if spec_file is not None else None
     run_dir = run_dir_path(spec, root, run_id)
     runs_dir = str(root) if root is not None else spec.runs_dir
     created = make_dirs(run_dir, runs_dir)
     try:
+        write_code(spec, spec_file, snapshot, run_dir)
         write_atomic(RunPaths(run_dir).spec, dump_spec(spec))
     except OSError as exc:
         remove_dirs(created)
         raise runs_dir_error(runs_dir, exc, RunPaths(run_dir).spec) from None
+    except BaseException:
+        remove_dirs(created)
+        raise
     return run_dir
 
 
@@ -168,7 +178,7 @@ def shared_folder_note(spec: Spec, run_dir: Path) -> str | None:
     """For a command's new run beside earlier runs of the spec's name: the program works in the submit
     folder (as under sbatch and submitit), which they all share, so what it writes there by relative path
     (a snapshot it resumes from) is the earlier runs' too. None for other tasks or a first run."""
-    if spec.task != "command":
+    if spec.task != "command" or works_in_snapshot(run_dir):
         return None
     base = Path(spec.runs_dir).expanduser() / spec.name
     try:
@@ -180,6 +190,15 @@ def shared_folder_note(spec: Spec, run_dir: Path) -> str | None:
     return (f"note: the program runs in {Path.cwd()}, which every run of {spec.name} submitted from here shares: "
             "what it writes there by relative path (and resumes from) is the earlier runs' too; "
             "write to ${HPCGPU_RUN_DIR} (this run's folder) for outputs of this run alone")
+
+
+def works_in_snapshot(run_dir: Path) -> bool:
+    """Whether the run's program works in its own code snapshot (the submit folder is in the copied tree)."""
+    try:
+        source = json.loads(RunPaths(run_dir).provenance.read_text())["snapshot"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return RunPaths(run_dir).code.is_dir() and Path.cwd().resolve().is_relative_to(source)
 
 
 def resume_text(run_dir: Path, spec: Spec) -> str:

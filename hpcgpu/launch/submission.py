@@ -81,7 +81,7 @@ def submit_single(spec: Spec, spec_file: str, registry: Registry, refresh: Refre
     with contextlib.ExitStack() as held:
         run_dir = None if fresh else resumable_run(spec, registry, held, say, refresh)
         made = run_dir is None
-        run_dir = make_run_dir(spec) if run_dir is None else run_dir
+        run_dir = make_run_dir(spec, spec_file=spec_file) if run_dir is None else run_dir
         note = shared_folder_note(spec, run_dir) if made else None
         if note:
             say(note)
@@ -125,7 +125,7 @@ def submit_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str, registry: R
     check_cluster(tasks[0].spec)
     registry.check()
     chunks = array_chunks(len(tasks), max_array_size())
-    sweep = write_sweep(spec, tasks)
+    sweep = write_sweep(spec, tasks, spec_file)
     records: list[JobRecord] = []
     for offset, length in chunks:
         try:

@@ -22,6 +22,7 @@ from hpcgpu.errors import SpecError, UsageError
 from hpcgpu.launch.options import sbatch_options
 from hpcgpu.launch.rundir import make_dirs, remove_dirs, run_dir_path, runs_dir_error, write_atomic
 from hpcgpu.launch.sbatch import env_exports
+from hpcgpu.launch.snapshot import plan_snapshot, write_code
 from hpcgpu.spec import Spec, dump_spec, parse_override, spec_from_raw, spec_to_dict
 from hpcgpu.spec.derive import signal_name
 from hpcgpu.spec.load import set_dotted
@@ -122,8 +123,9 @@ class SweepDir:
     run_dirs: list[Path]
 
 
-def write_sweep(spec: Spec, tasks: list[SweepTask]) -> SweepDir:
-    """Create the sweep dir: each task's run dir with its resolved spec, the index, a summary."""
+def write_sweep(spec: Spec, tasks: list[SweepTask], spec_file: str | None = None) -> SweepDir:
+    """Create the sweep dir: each task's run dir with its resolved spec (and code snapshot), the index, a summary."""
+    snapshot = plan_snapshot(spec, spec_file) if spec_file else None  # refused over code.max_mb before any folder
     root = run_dir_path(spec)
     created = make_dirs(root, spec.runs_dir)  # a runs_dir that cannot hold it: one runs_dir error
     run_dirs = []
@@ -131,6 +133,7 @@ def write_sweep(spec: Spec, tasks: list[SweepTask]) -> SweepDir:
         for task in tasks:
             run_dir = root / str(task.index)
             run_dir.mkdir(parents=True, exist_ok=True)
+            write_code(task.spec, spec_file, snapshot, run_dir)
             write_atomic(RunPaths(run_dir).spec, dump_spec(task.spec))
             run_dirs.append(run_dir)
         tasks_file = root / "tasks.txt"

@@ -20,6 +20,7 @@ import yaml
 
 from hpcgpu.contract import FINISHED_MARKER, RunPaths, is_finished, startup_phases
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch.snapshot import commit_text
 
 GiB = 1 << 30
 
@@ -165,6 +166,7 @@ class Summary:
     peak_allocated_gib: float | None = None  # rank 0's torch.cuda.max_memory_allocated (metrics.jsonl)
     startup_s: list[float] = field(default_factory=list)  # each start's process start -> first step done
     last_startup: dict[str, float] = field(default_factory=dict)  # the newest start's phases, in order
+    commit: str | None = None  # the code's commit, "abc1234 dirty" (provenance.json)
 
     def text(self) -> str:
         def f(v: float | None, spec: str) -> str:
@@ -185,6 +187,8 @@ class Summary:
             lines.append("GPUs             no GPU samples (gpu.jsonl) in this run")
         for key, peak in self.gpu_peak_mem.items():
             lines.append(f"{key:<16} peak memory {peak / GiB:.1f} GiB, mean util {self.gpu_mean_util[key]:.0f}%")
+        if self.commit:
+            lines.append(f"commit           {self.commit}")
         return "\n".join(lines)
 
     def _startup_line(self) -> str:
@@ -222,7 +226,7 @@ def summarize(d: RunData) -> Summary:
         gpu_peak_mem=peak, gpu_mean_util=mean_util,
         peak_allocated_gib=max((v for r in d.train if (v := _num(r.get("peak_mem_gib"))) is not None), default=None),
         startup_s=[v for r in d.startups if (v := _num(r.get("total_s"))) is not None],
-        last_startup=_phases(d.startups[-1]) if d.startups else {})
+        last_startup=_phases(d.startups[-1]) if d.startups else {}, commit=commit_text(d.run_dir))
 
 
 def _phases(record: dict[str, Any]) -> dict[str, float]:
@@ -267,6 +271,7 @@ class InferSummary:
     gpu_peak_mem: dict[str, int]
     gpu_mean_util: dict[str, float]
     peak_allocated_gib: float | None = None  # torch.cuda.max_memory_allocated, max over the replicas
+    commit: str | None = None
 
     def text(self) -> str:
         lines = []
@@ -298,6 +303,8 @@ class InferSummary:
             lines.append("GPUs             no GPU samples (gpu.jsonl) in this run")
         for key, peak in self.gpu_peak_mem.items():
             lines.append(f"{key:<16} peak memory {peak / GiB:.1f} GiB, mean util {self.gpu_mean_util[key]:.0f}%")
+        if self.commit:
+            lines.append(f"commit           {self.commit}")
         return "\n".join(lines)
 
 
@@ -347,7 +354,8 @@ def summarize_infer(d: RunData) -> InferSummary:
         stops=[str(r.get("reason", "?")) for r in d.events if r.get("kind") == "stop"],
         finished=finished, output_rows=_count_lines(RunPaths(d.run_dir).outputs) if finished else None,
         gpu_peak_mem=peak, gpu_mean_util=mean_util,
-        peak_allocated_gib=max((v for r in d.infer if (v := _num(r.get("peak_mem_gib"))) is not None), default=None))
+        peak_allocated_gib=max((v for r in d.infer if (v := _num(r.get("peak_mem_gib"))) is not None), default=None),
+        commit=commit_text(d.run_dir))
 
 
 # ---------------------------------------------------------------- the figure

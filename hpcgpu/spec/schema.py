@@ -410,6 +410,18 @@ class Container:
 
 
 @dataclass(frozen=True)
+class Code:
+    snapshot: bool = field(default=True, metadata=meta(
+        "copy the code a command or callable job runs into <run dir>/code/ at submit (the git-tracked and "
+        "untracked, not-ignored files of the spec's repository, or the spec's folder): every rank, requeue "
+        "and resume runs that copy; false: the job runs the working tree as it is then (provenance.json "
+        "still records the commit, the dirty diff and the versions)"))
+    max_mb: float = field(default=100.0, metadata=meta(
+        "a bigger snapshot is refused at submit, naming its biggest files (data or checkpoints tracked by "
+        "mistake)", min=0))
+
+
+@dataclass(frozen=True)
 class Spec:
     name: str = field(metadata=meta("experiment name", pattern=NAME_RE, fmt="letters, digits, '_', '.', '-'"))
     task: Literal["train", "infer", "command", "callable"] = field(default="train", metadata=meta(
@@ -443,6 +455,8 @@ class Spec:
     runs_dir: str = field(default="runs", metadata=meta("where run directories are made", pattern=r"^[^\x00-\x1f]*$", fmt="a path on one line"))
     container: Optional[Container] = field(default=None, metadata=meta(
         "run every rank inside this container image (docs/containers.md); absent: on the host"))
+    code: Code = field(default_factory=Code, metadata=meta(
+        "the code snapshot and provenance.json of each run (docs/running.md)"))
 
     @property
     def gpus_per_task(self) -> int:

@@ -5,9 +5,11 @@ through the user API: ctx.should_stop() at its safe points, ctx.stop(step) to sa
 from __future__ import annotations
 
 import importlib
+import sys
 
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import HpcgpuError
+from hpcgpu.runtime.code import code_map, mapped_search_path
 from hpcgpu.runtime.context import init
 from hpcgpu.spec import Spec
 
@@ -25,6 +27,8 @@ def load_entry(entry: str):  # type: ignore[no-untyped-def]
 
 
 def run_callable(spec: Spec, paths: RunPaths) -> int:
+    if (code := code_map(paths)) is not None:  # the entry's module imported from the submit-time copy
+        sys.path[:] = mapped_search_path(code, sys.path)
     fn = load_entry(spec.entry or "")
     with init(spec, paths) as ctx, ctx.run.monitor(ctx.device.type == "cuda"):
         result = fn(ctx)

@@ -22,6 +22,7 @@ from hpcgpu.errors import HpcgpuError
 from hpcgpu.contract import ENV_CHECKPOINT_DIR, ENV_PENDING_SIGNAL, ENV_RUN_DIR, ENV_SPEC, RunPaths
 from hpcgpu.runtime.metrics import MetricsWriter
 from hpcgpu.gpu.nvml import gpu_count
+from hpcgpu.runtime.code import code_map
 from hpcgpu.runtime.env import DistEnv
 from hpcgpu.procs import child_dies_with_me
 from hpcgpu.runtime.run import Run
@@ -194,9 +195,18 @@ def launcher_signals_the_program(env: DistEnv) -> bool:
 def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> subprocess.Popen:
     program_env = command_env(spec, spec_path, paths, env)
     argv = [run_vars_in(arg, program_env) for arg in spec.command or []]
+    cwd = None
+    if (code := code_map(paths)) is not None:  # the submit-time code, never the working tree of now
+        cwd = code.working_dir()
+        argv = [code.argument(arg, cwd) for arg in argv]
+        if cwd is not None:
+            program_env["PWD"] = str(cwd)
+        if program_env.get("PYTHONPATH"):
+            program_env["PYTHONPATH"] = os.pathsep.join(
+                str(code.mapped(e) or e) if e else e for e in program_env["PYTHONPATH"].split(os.pathsep))
     try:
         # through a shim that dies with this wrapper: no program outlives a killed launcher
-        return subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
+        return subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env, cwd=cwd)
     except FileNotFoundError:
         raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
     except PermissionError:
