@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import click
 
@@ -9,10 +10,11 @@ from hpcgpu.cli.options import ignore_busy_option, spec_options
 from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.errors import JobFailed
 from hpcgpu.launch import local_submit
-from hpcgpu.launch.executors import EXECUTORS, Submit, executor_for, executor_named
+from hpcgpu.launch.chain import Upstream, find_upstream, record_not_run, wait_upstream
+from hpcgpu.launch.executors import EXECUTORS, Executor, Submit, executor_for, executor_named, refresh
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry
-from hpcgpu.launch.resolve import read_resolved
+from hpcgpu.launch.resolve import Resolved, read_resolved
 from hpcgpu.launch.wait import exit_status, wait_for
 from hpcgpu.spec import Spec
 
@@ -34,21 +36,59 @@ def say(message: str) -> None:
 @click.option("--new", "fresh", is_flag=True,
               help="Start a fresh run dir instead of resuming the unfinished run of the same spec (one job; "
                    "a sweep always starts fresh).")
+@click.option("--after", "after_ref", metavar="JOB", default=None,
+              help="Run once JOB (a job, an array or one array task) has completed successfully; ${after} in "
+                   "the spec's values is JOB's run dir. SLURM: --dependency=afterok:JOB; local: waits here.")
 @ignore_busy_option
 def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, executor_name: str,
-           sweeps: tuple[str, ...], dry_run: bool, wait: bool, fresh: bool, ignore_busy: bool) -> int:
+           sweeps: tuple[str, ...], dry_run: bool, wait: bool, fresh: bool, after_ref: str | None,
+           ignore_busy: bool) -> int:
     """Submit SPEC to SLURM and return at once (job id, run dir, logs); --executor local runs it here."""
     executor = executor_named(executor_name)
-    # what the job would fail on after its wait in the queue, found here (one line, exit 2)
-    resolved = read_resolved(spec_file, overrides, gpus, nodes, sweeps, executor.use(dry_run), say)
+    registry = Registry()
+    upstream = find_upstream(registry, after_ref, refresh) if after_ref else None
+
+    def resolve_now() -> Resolved:
+        # what the job would fail on after its wait in the queue, found here (one line, exit 2)
+        return read_resolved(spec_file, overrides, gpus, nodes, sweeps, executor.use(dry_run), say, upstream)
+
+    resolved = resolve_now()
     if dry_run:
         click.echo(executor.dry_run(resolved, say), nl=False)
         return 0
-    how = Submit(fresh=fresh, ignore_busy=ignore_busy, say=say, started=say_started)
-    records = executor.submit(resolved, str(Path(spec_file).resolve()), Registry(), how)
+    spec_ref = str(Path(spec_file).resolve())
+    if upstream is not None and executor.runs_here and not upstream.ended:
+        upstream = wait_upstream(registry, upstream, refresh, say)
+        if not upstream.completed:
+            not_run(registry, resolved, spec_ref, upstream, executor)
+        resolved = resolve_now()  # checked again, now that the outputs it refers to are there
+    how = Submit(fresh=fresh, ignore_busy=ignore_busy, say=say, started=chained(registry, upstream))
+    records = executor.submit(resolved, spec_ref, registry, how)
     if executor.runs_here:
         return ended_here(records[0], fresh)
+    for record in records if upstream is not None else []:
+        registry.update(record, after=upstream.ref)
     return submitted(records, resolved.spec, wait)
+
+
+# --- submit --after JOB -------------------------------------------------------------------------------
+
+def chained(registry: Registry, upstream: Upstream | None) -> Callable[[JobRecord], None]:
+    """A local job, registered: record the job it ran after, then say it started."""
+    def started(record: JobRecord) -> None:
+        if upstream is not None:
+            registry.update(record, after=upstream.ref)
+        say_started(record)
+
+    return started
+
+
+def not_run(registry: Registry, resolved: Resolved, spec_ref: str, upstream: Upstream,
+            executor: Executor) -> NoReturn:
+    """The local job waited for a job that did not complete: registered as not run, exit 1."""
+    record = record_not_run(registry, resolved.spec, spec_ref, upstream, executor.name)
+    raise JobFailed(f"job {record.job_id} not run: job {upstream.ref} ended {upstream.state}; "
+                    f"`hpcgpu status {record.job_id}` shows it", 1)
 
 
 # --- SLURM: submitted, waiting in its queue -------------------------------------------------------

@@ -24,7 +24,7 @@ from hpcgpu.contract import ENV_REGISTRY
 from hpcgpu.errors import HpcgpuError
 
 BUSY_TIMEOUT_MS = 60_000
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -50,14 +50,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     failure    TEXT,                      -- JSON {rank, node, exit_code, signal, message}, {}: none found
     earlier_runs_s INTEGER NOT NULL DEFAULT 0, -- seconds of the runs before the current one (requeues)
     run_start  REAL,                      -- when the current run started, as SLURM said while it ran
-    gpus       INTEGER                    -- GPUs of one run, all nodes together (NULL: not known)
+    gpus       INTEGER,                   -- GPUs of one run, all nodes together (NULL: not known)
+    after      TEXT NOT NULL DEFAULT ''   -- the job it runs after (submit --after), '' for none
 );
 CREATE INDEX IF NOT EXISTS jobs_job_id ON jobs (job_id);
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
 """
 # Columns added since version 1 (ALTER TABLE brings an older registry up to date).
 ADDED_COLUMNS = {"failure": "TEXT", "earlier_runs_s": "INTEGER NOT NULL DEFAULT 0", "run_start": "REAL",
-                 "gpus": "INTEGER"}
+                 "gpus": "INTEGER", "after": "TEXT NOT NULL DEFAULT ''"}
 
 
 NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "ceph", "glusterfs", "fuse.sshfs",
@@ -174,6 +175,7 @@ class JobRecord:
     earlier_runs_s: int = 0
     run_start: float | None = None
     gpus: int | None = None
+    after: str = ""  # the job it runs after (hpcgpu/launch/chain.py)
     key: int | None = None
 
     @property

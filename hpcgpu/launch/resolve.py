@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+from hpcgpu.launch.chain import Upstream, pending_roots, with_after
 from hpcgpu.launch.checks import check_host
 from hpcgpu.launch.replicas import resolve_gpus_per_replica
 from hpcgpu.launch.sweep import SweepTask, sweep_tasks, with_sweep
@@ -58,16 +60,20 @@ class Resolved:
 
 def read_resolved(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | None = None,
                   nodes: int | None = None, sweeps: tuple[str, ...] = (), use: Use = VALIDATE,
-                  say: Say | None = None) -> Resolved:
-    """Read SPEC with its --set/--gpus/--nodes/--sweep flags and resolve it (see the module's text)."""
-    spec = with_sweep(load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, defaults=True), sweeps)
-    return resolve(spec, use, say)
+                  say: Say | None = None, after: Upstream | None = None) -> Resolved:
+    """Read SPEC with its --set/--gpus/--nodes/--sweep flags and resolve it (see the module's text);
+    after: the job of `submit --after` (its run dir for ${after}; hpcgpu/launch/chain.py)."""
+    spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, defaults=True)
+    base = Path(spec_file).resolve().parent  # where load_spec made relative paths (`${after}/model`) absolute
+    spec = with_sweep(with_after(spec, after, slurm=not use.local, base=base), sweeps)
+    return resolve(spec, use, say, pending=pending_roots(after))
 
 
-def resolve(spec: Spec, use: Use = VALIDATE, say: Say | None = None) -> Resolved:
-    """Check a spec here (every sweep task) and decide what it leaves to the host (gpus_per_replica)."""
+def resolve(spec: Spec, use: Use = VALIDATE, say: Say | None = None, pending: tuple[str, ...] = ()) -> Resolved:
+    """Check a spec here (every sweep task) and decide what it leaves to the host (gpus_per_replica).
+    pending: run dirs of jobs still to run, whose outputs the checks do not look for yet."""
     check_host([task.spec for task in sweep_tasks(spec)] or [spec], passthrough=use.passthrough,
-               slurm=not use.local, warn=say, when=use.when)
+               slurm=not use.local, warn=say, when=use.when, pending=pending)
     spec = resolve_gpus_per_replica(spec, local=use.local, say=say if use.explain else None)
     # the tasks of the resolved spec; a task that sweeps gpus_per_replica to auto decides its own
     tasks = [dataclasses.replace(task, spec=resolve_gpus_per_replica(task.spec, local=use.local))

@@ -39,6 +39,17 @@ def shown_state(info: JobInfo) -> str:
     return info.state
 
 
+def waiting_reason(job: JobRecord, reason: str) -> str:
+    """SLURM's reason for a chained job's wait (submit --after), in words naming the job it waits for."""
+    if not job.after:
+        return reason
+    if reason == "DependencyNeverSatisfied":
+        return f"will not run: job {job.after} did not complete; `hpcgpu cancel {job.job_id}` removes this one"
+    if reason == "Dependency":
+        return f"waiting for job {job.after} to complete"
+    return reason
+
+
 def _apply(target: JobRecord | TaskRecord, info: JobInfo) -> None:
     if info.state == "COMPLETING" and info.restarts > target.restarts:
         # SLURM is still tearing down the run it requeues; its times (SubmitTime = the requeue)
@@ -175,6 +186,7 @@ def _refresh_slurm(job: JobRecord, infos: dict[str, JobInfo]) -> bool:
             info = infos.get(task.id)
             if info is not None:
                 _apply(task, info)
+                task.reason = waiting_reason(job, task.reason)
             elif is_final(task.state) or knows_job(infos, job.job_id):
                 pass  # kept: its last word, or not split out of the pending array record yet
             else:
@@ -187,6 +199,7 @@ def _refresh_slurm(job: JobRecord, infos: dict[str, JobInfo]) -> bool:
         info = infos.get(job.job_id)
         if info is not None:
             _apply(job, info)
+            job.reason = waiting_reason(job, job.reason)
         elif not is_final(job.state):
             job.state, job.reason = unknown_state(Path(job.run_dir))
     return job.to_json() != before
