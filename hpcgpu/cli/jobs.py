@@ -68,7 +68,7 @@ def job_view(job: JobRecord, registry: Registry | None = None) -> dict[str, Any]
     if later is not None:  # the run dir's progress is the later job's now, not this one's
         view.update(step=None, loss=None, rows=None, rows_total=None, max_steps=None, tokens_per_s=None,
                     eta_s=None, progress=f"- (run dir resumed by job {later})", resumed_by=later)
-    view.update({"name": job.name, "executor": job.executor, "spec": job.spec,
+    view.update({"name": job.name, "executor": job.executor, "spec": job.spec, "after": job.after,
                  "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted))})
     if job.is_array:
         view["tasks"] = [dict(unit_view(job, t), values=t.values) for t in job.tasks]
@@ -151,6 +151,7 @@ def print_job(view: dict[str, Any]) -> None:
                          ("elapsed", (view["elapsed"] or "-") + (" (all runs)" if view["restarts"] else "")),
                          ("gpu time", gpu_time_text(view)), ("nodes", view["nodes"] or "-"),
                          ("restarts", view["restarts"]), ("submitted", view["submitted"]),
+                         ("after", f"job {view['after']} (runs once it has completed)" if view.get("after") else None),
                          ("spec", view["spec"]), ("commit", view.get("commit")), ("run dir", view["run_dir"])):
         if value is not None:
             click.echo(f"{label:<10}{value}")
