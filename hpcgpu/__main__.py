@@ -8,6 +8,9 @@ if len(sys.argv) > 1 and sys.argv[1] == "run":
     from hpcgpu.runtime.signals import catch_early_signals
 
     catch_early_signals()
+    from hpcgpu.image import check_image
+
+    check_image()  # in a container: an image without hpcgpu's dependencies is one line, not a traceback
 
 from hpcgpu.cli import main  # noqa: E402
 

@@ -8,7 +8,7 @@ looks at `spec.container`'s runtime.
 
 hpcgpu inside the image: the host's hpcgpu package is mounted read-only at HOST_CODE_DIR/hpcgpu and
 put first on PYTHONPATH, so the ranks run the code that wrote the spec; the image supplies Python and
-hpcgpu's dependencies (torch, pyyaml, ...).
+hpcgpu's dependencies (torch, pyyaml, ...), which each rank checks first (hpcgpu/image.py).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import hpcgpu
+from hpcgpu.image import ENV_CONTAINER_IMAGE
 from hpcgpu.spec.load import is_local_path
 from hpcgpu.spec.schema import Container, Spec
 
@@ -45,8 +46,9 @@ def code_mount() -> str:
 
 
 def container_env(container: Container) -> dict[str, str]:
-    """The variables set over the image's: container.env, and PYTHONPATH with hpcgpu's folder first."""
-    env = dict(container.env)
+    """The variables set over the image's: container.env, PYTHONPATH with hpcgpu's folder first, and the
+    image's name for the rank's check of hpcgpu's dependencies (hpcgpu/image.py)."""
+    env = {**container.env, ENV_CONTAINER_IMAGE: container.image}
     env["PYTHONPATH"] = ":".join(p for p in (HOST_CODE_DIR, container.env.get("PYTHONPATH")) if p)
     return env
 

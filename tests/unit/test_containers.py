@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +81,8 @@ def test_apptainer_wraps_each_rank(data: Path) -> None:
                             "env": {"HF_HOME": "/data/hf"}}, runs_dir="/runs")
     line = srun_lines(rendered(path))
     assert ("  apptainer exec --nv --bind /runs:/runs --bind /datasets:/data:ro "
-            f"--bind HPCGPU_PKG:{HOST_CODE_DIR}/hpcgpu:ro --env HF_HOME=/data/hf --env PYTHONPATH={HOST_CODE_DIR} "
+            f"--bind HPCGPU_PKG:{HOST_CODE_DIR}/hpcgpu:ro --env HF_HOME=/data/hf "
+            f"--env HPCGPU_CONTAINER_IMAGE=docker://pytorch/pytorch:2.4.0 --env PYTHONPATH={HOST_CODE_DIR} "
             "docker://pytorch/pytorch:2.4.0 \\\n  python -m hpcgpu run /runs/ctr/RUNID/spec.yaml &") in line
 
 
@@ -108,10 +111,11 @@ def test_pyxis_options_and_exports(data: Path) -> None:
             '--container-workdir="$PWD" ') in line
     env_names = line.split("--container-env=")[1].split()[0].split(",")
     for name in ("NCCL_DEBUG", "HPCGPU_RUN_DIR", "HPCGPU_JOB_START", "MASTER_ADDR", "MASTER_PORT", "HF_HOME",
-                 "PYTHONPATH"):
+                 "HPCGPU_CONTAINER_IMAGE", "PYTHONPATH"):
         assert name in env_names
     assert "\n  python -m hpcgpu run /runs/ctr/RUNID/spec.yaml &" in line
-    assert "export HF_HOME=/data/hf\nexport PYTHONPATH=/opt/hpcgpu-host\n" in text
+    assert ("export HF_HOME=/data/hf\nexport HPCGPU_CONTAINER_IMAGE='nvcr.io#nvidia/pytorch:24.01-py3'\n"
+            "export PYTHONPATH=/opt/hpcgpu-host\n") in text
 
 
 def test_a_spec_without_container_keeps_the_hosts_python(data: Path) -> None:
@@ -222,3 +226,29 @@ def test_the_submitit_job_runs_the_same_lines(data: Path, runtime: str, line: st
                           text=True, timeout=60, env=job_env(), cwd=data)
     assert done.returncode == 0, done.stderr
     assert line in done.stdout and "\n  python -m hpcgpu run " in done.stdout
+
+
+def test_an_image_without_hpcgpus_dependencies_fails_in_one_line(data: Path) -> None:
+    """The image's python lacks torch: each rank says so in one line naming the fix, exit 2, not an
+    ImportError's traceback, and `hpcgpu status` gives that line as the job's reason."""
+    bin_dir, records = write_standin(data)
+    no_torch = data / "image-python"  # the image's site-packages, as a sitecustomize that hides torch
+    no_torch.mkdir()
+    (no_torch / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    image = str(data / "img.sif")
+    path = spec_file(data, {"image": image, "env": {"PYTHONPATH": str(no_torch)}})
+    path_var = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = job_env(PATH=path_var, HPCGPU_REGISTRY=str(data / "jobs.db"))  # its own: local-1 is this job
+    done = submit(path, env=env)
+    line = (f"hpcgpu: error: the container image {image} lacks torch: install hpcgpu's dependencies in the "
+            "image (docs/containers.md)")
+    assert done.returncode != 0, done.stderr
+    assert calls(records)  # through the runtime (the other rank, killed once one failed, may not have got there)
+    run_dir = only_run_dir(data / "runs", "ctr")
+    logs = [log.read_text() for log in (run_dir / "logs").glob("rank-*.log")]
+    assert line + "\n" in logs and not any("Traceback" in log for log in logs)  # that line, nothing else
+    status = subprocess.run([sys.executable, "-m", "hpcgpu", "status", "local-1"], capture_output=True, text=True,
+                            timeout=60, env=env, cwd=data)
+    assert status.returncode == 0, status.stderr
+    reason = f"on {socket.gethostname()} failed with exit code 2: {line.removeprefix('hpcgpu: error: ')}\n"
+    assert re.search(r"^reason    rank [01] " + re.escape(reason), status.stdout, re.M), status.stdout
