@@ -10,8 +10,10 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
-# job 1 writes out.txt in its run dir; job 2 copies ${after}/out.txt into its own
-WRITE = "import os, sys, time; time.sleep(3); open(sys.argv[1], 'w').write('from job 1'); sys.exit(int(sys.argv[2]))"
+# job 1 writes out.txt in its run dir once the test says go (every follower is queued by then, so the
+# order never depends on the machine's speed); job 2 copies ${after}/out.txt into its own
+WRITE = ("import os, sys, time\nwhile not os.path.exists(sys.argv[3]): time.sleep(0.1)\n"
+         "open(sys.argv[1], 'w').write('from job 1'); sys.exit(int(sys.argv[2]))")
 COPY = "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])"
 
 
@@ -22,18 +24,19 @@ def command(slurm, name: str, args: list[str]):
 
 
 def test_chain_runs_in_order_on_after_and_a_failed_first_job_leaves_the_next_not_run(slurm):
-    good = command(slurm, "first", [WRITE, "${HPCGPU_RUN_DIR}/out.txt", "0"])
-    bad = command(slurm, "broken", [WRITE, "${HPCGPU_RUN_DIR}/out.txt", "3"])
+    go = slurm.tmp / "go"
+    good = command(slurm, "first", [WRITE, "${HPCGPU_RUN_DIR}/out.txt", "0", str(go)])
+    bad = command(slurm, "broken", [WRITE, "${HPCGPU_RUN_DIR}/out.txt", "3", str(go)])
     follow = command(slurm, "second", [COPY, "${after}/out.txt", "${HPCGPU_RUN_DIR}/copied.txt"])
     job1, run1, _ = slurm.submit(good)
     job3, _, _ = slurm.submit(bad)
     job2, run2, _ = slurm.submit(follow, "--after", job1)
     job4, _, _ = slurm.submit(follow, "--after", job3, "--new")
     assert slurm.job(job2)["Dependency"].startswith(f"afterok:{job1}")
-    waiting = slurm.status(job2)
-    assert waiting["after"] == job1
-    if waiting["state"] == "PENDING":  # job 1 may have ended already on an idle cluster
-        assert waiting["reason"] == f"waiting for job {job1} to complete", waiting
+    slurm.wait_for(lambda: slurm.status(job2)["reason"] == f"waiting for job {job1} to complete", timeout=30,
+                   what="SLURM's Reason=Dependency")
+    assert slurm.status(job2)["after"] == job1
+    go.touch()
 
     view, _ = slurm.wait_status(job2, timeout=120)
     assert view["state"] == "COMPLETED", slurm.job_output(run2, job2)

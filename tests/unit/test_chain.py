@@ -117,18 +117,26 @@ def test_local_chain_runs_job_2_on_job_1_model_and_a_failed_job_1_leaves_it_not_
     status = hpcgpu(["status", "local-2"], env, tmp_path)
     assert "after     job local-1" in status.stdout, status.stdout
 
-    # a job 1 that fails (a command ending with exit 3 after a moment): job 2 waits for it, then is
-    # recorded as not run, and nothing of it runs
-    fails = "import sys, time; time.sleep(4); sys.exit(3)"
+    # a job 1 that fails (a command ending with exit 3 once job 2 waits for it): job 2 is recorded as
+    # not run, and nothing of it runs
+    go = tmp_path / "go"
+    fails = f"import os, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.1)\nsys.exit(3)"
     broken = write_spec_file(tmp_path, {"name": "bad", "task": "command", "resources": {"gpus": 1},
                                         "command": [sys.executable, "-c", fails]})
     job3 = subprocess.Popen(submit_cmd(broken), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             cwd=tmp_path)
     registered(db, 3, job3)
-    proc = hpcgpu(["submit", str(second), "--executor", "local", "--after", "local-3"], env, tmp_path, timeout=120)
-    assert job3.wait(timeout=120) == 3
-    assert "waiting for job local-3" in proc.stderr
-    assert proc.returncode == 1 and "job local-4 not run: job local-3 ended FAILED" in proc.stderr, proc.stderr
+    said = tmp_path / "job4.err"
+    with open(said, "w") as err:
+        job4 = subprocess.Popen(submit_cmd(second, "--after", "local-3"), stdout=subprocess.DEVNULL, stderr=err,
+                                text=True, env=env, cwd=tmp_path)
+        deadline = time.monotonic() + 60
+        while "waiting for job local-3" not in said.read_text():
+            assert time.monotonic() < deadline and job4.poll() is None, said.read_text()
+            time.sleep(0.1)
+        go.touch()
+        assert job3.wait(timeout=120) == 3 and job4.wait(timeout=120) == 1, said.read_text()
+    assert "job local-4 not run: job local-3 ended FAILED" in said.read_text()
     status = hpcgpu(["status", "local-4"], env, tmp_path)
     assert "CANCELLED" in status.stdout and "not run: job local-3 it waited for ended FAILED" in status.stdout
     assert len(list((tmp_path / "runs" / "two").glob("*/logs"))) == 1  # only job 2's first run ran ranks
