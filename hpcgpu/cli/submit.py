@@ -10,8 +10,8 @@ from hpcgpu.cli.options import ignore_busy_option, spec_options
 from hpcgpu.contract import EXIT_STOPPED
 from hpcgpu.errors import JobFailed
 from hpcgpu.launch import local_submit
-from hpcgpu.launch.chain import Upstream, find_upstream, record_not_run, wait_upstream
-from hpcgpu.launch.executors import EXECUTORS, Executor, Submit, executor_for, executor_named, refresh
+from hpcgpu.launch.chain import Upstream, find_upstream, record_not_run, record_waiting, wait_upstream
+from hpcgpu.launch.executors import EXECUTORS, Submit, executor_for, executor_named, refresh
 from hpcgpu.launch.progress import stop_summary
 from hpcgpu.launch.registry import JobRecord, Registry
 from hpcgpu.launch.resolve import Resolved, read_resolved
@@ -57,12 +57,14 @@ def submit(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
         click.echo(executor.dry_run(resolved, say), nl=False)
         return 0
     spec_ref = str(Path(spec_file).resolve())
+    waiting = None
     if upstream is not None and executor.runs_here and not upstream.ended:
+        waiting = record_waiting(registry, resolved.spec, spec_ref, upstream, executor.name)
         upstream = wait_upstream(registry, upstream, refresh, say)
         if not upstream.completed:
-            not_run(registry, resolved, spec_ref, upstream, executor)
+            not_run(registry, waiting, upstream)
         resolved = resolve_now()  # checked again, now that the outputs it refers to are there
-    how = Submit(fresh=fresh, ignore_busy=ignore_busy, say=say, started=chained(registry, upstream))
+    how = Submit(fresh=fresh, ignore_busy=ignore_busy, say=say, started=chained(registry, upstream), waiting=waiting)
     records = executor.submit(resolved, spec_ref, registry, how)
     if executor.runs_here:
         return ended_here(records[0], fresh)
@@ -83,10 +85,9 @@ def chained(registry: Registry, upstream: Upstream | None) -> Callable[[JobRecor
     return started
 
 
-def not_run(registry: Registry, resolved: Resolved, spec_ref: str, upstream: Upstream,
-            executor: Executor) -> NoReturn:
-    """The local job waited for a job that did not complete: registered as not run, exit 1."""
-    record = record_not_run(registry, resolved.spec, spec_ref, upstream, executor.name)
+def not_run(registry: Registry, waiting: JobRecord, upstream: Upstream) -> NoReturn:
+    """The local job waited for a job that did not complete: recorded as not run, exit 1."""
+    record = record_not_run(registry, waiting, upstream)
     raise JobFailed(f"job {record.job_id} not run: job {upstream.ref} ended {upstream.state}; "
                     f"`hpcgpu status {record.job_id}` shows it", 1)
 

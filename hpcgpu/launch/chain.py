@@ -10,8 +10,9 @@ the host checks skip the values that lie under its run dir: what it will write i
   slurm.extra, so that options.py renders it the same for the .sbatch text and submitit). A JOB
   that fails leaves it PENDING with Reason=DependencyNeverSatisfied; `hpcgpu status` says it will
   not run and to cancel it.
-- The local executor: `hpcgpu submit` waits (in the foreground) for JOB to end, then checks the
-  spec again and runs it; a JOB that did not complete leaves it registered as CANCELLED, reason
+- The local executor: `hpcgpu submit` registers the job PENDING ("waiting for job JOB to
+  complete", its run dir made now), waits (in the foreground) for JOB to end, then checks the spec
+  again and runs it as that same job id; a JOB that did not complete leaves it CANCELLED, reason
   "not run: ...", and nothing runs.
 - A JOB that has already ended: COMPLETED runs at once; otherwise one line, exit 2, nothing queued.
 Host side: no torch.
@@ -19,6 +20,7 @@ Host side: no torch.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcgpu.errors import HpcgpuError, SpecError, UsageError
+from hpcgpu.launch.liveness import process_start
 from hpcgpu.launch.registry import JobRecord, Registry
 from hpcgpu.launch.rundir import make_run_dir
 from hpcgpu.launch.state import find_job, is_final
@@ -153,9 +156,19 @@ def not_run_reason(upstream_ref: str, upstream_state: str) -> str:
 
 
 
-def record_not_run(registry: Registry, spec: Spec, spec_ref: str, upstream: Upstream, executor: str) -> JobRecord:
-    """The chained job that will never run, registered so that `hpcgpu status` says so (its run dir
-    holds only its spec, which the same submit resumes into later)."""
-    record = JobRecord("", spec.name, spec_ref, str(make_run_dir(spec)), executor, state="CANCELLED",
-                       reason=not_run_reason(upstream.ref, upstream.state), after=upstream.ref, ended=time.time())
+def record_waiting(registry: Registry, spec: Spec, spec_ref: str, upstream: Upstream, executor: str) -> JobRecord:
+    """The local job waiting here for its upstream, registered PENDING so that `hpcgpu status` shows it
+    (its pid: this submit). Its run dir is made now, with the code snapshot of submit time, as a SLURM
+    job's is; the job runs in it once the upstream has completed (local_submit.submit_local)."""
+    run_dir = make_run_dir(spec, spec_file=spec_ref)
+    record = JobRecord("", spec.name, spec_ref, str(run_dir), executor, state="PENDING",
+                       reason=f"waiting for job {upstream.ref} to complete", after=upstream.ref,
+                       pid=os.getpid(), pid_start=process_start(os.getpid()))
     return registry.add(record)
+
+
+def record_not_run(registry: Registry, waiting: JobRecord, upstream: Upstream) -> JobRecord:
+    """The waiting job that will never run: CANCELLED, so that `hpcgpu status` says why."""
+    registry.update(waiting, state="CANCELLED", reason=not_run_reason(upstream.ref, upstream.state),
+                    ended=time.time())
+    return waiting

@@ -45,6 +45,7 @@ class Submit:
     ignore_busy: bool = False
     say: Say = _quiet
     started: Callable[[JobRecord], None] = _nothing
+    waiting: JobRecord | None = None  # local: the record registered while it waited for --after's job
 
 
 class Executor(ABC):
@@ -142,9 +143,11 @@ class LocalExecutor(Executor):
         registry.check()  # a damaged or unwritable registry stops here, before any run dir or rank exists
         if resolved.tasks:
             return [local_submit.submit_local_sweep(resolved.spec, resolved.tasks, spec_ref, registry,
-                                                    ignore_busy=how.ignore_busy, say=how.say, started=how.started)]
+                                                    ignore_busy=how.ignore_busy, say=how.say, started=how.started,
+                                          waiting=how.waiting)]
         return [local_submit.submit_local(resolved.spec, spec_ref, registry, fresh=how.fresh,
-                                          ignore_busy=how.ignore_busy, say=how.say, started=how.started)]
+                                          ignore_busy=how.ignore_busy, say=how.say, started=how.started,
+                                          waiting=how.waiting)]
 
     def refresh(self, registry: Registry, jobs: list[JobRecord]) -> None:
         refresh_local_jobs(registry, jobs, self.failure_of)

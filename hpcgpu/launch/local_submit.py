@@ -160,6 +160,15 @@ def _sweep_state(record: JobRecord) -> str:
     return array_state([t for t in record.tasks if t.state != "PENDING"] or record.tasks)
 
 
+def register_local(registry: Registry, record: JobRecord, waiting: JobRecord | None) -> JobRecord:
+    """Register a local job; one that waited for --after's job takes over that waiting record (its id)."""
+    if waiting is None:
+        return registry.add(record)
+    record.key, record.job_id, record.after = waiting.key, waiting.job_id, waiting.after
+    registry.save(record)
+    return record
+
+
 # --- one job, here ----------------------------------------------------------------------------------
 
 def unfinished_run(spec: Spec, registry: Registry, fresh: bool = False) -> Path | None:
@@ -175,17 +184,24 @@ def unfinished_run(spec: Spec, registry: Registry, fresh: bool = False) -> Path 
 
 
 def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool = False, ignore_busy: bool = False,
-                 echo: IO[str] | None = None, say: Say = _stderr, started: Started = _nothing) -> JobRecord:
+                 echo: IO[str] | None = None, say: Say = _stderr, started: Started = _nothing,
+                 waiting: JobRecord | None = None) -> JobRecord:
     """Run `spec` here as one registered local job and return its record once the ranks have ended
     (state, exit_code, failure). Resumes the unfinished run dir of the identical spec unless
     `fresh`; RunDirLocked (one line) when a live job writes that dir; then the busy-GPU check
     (check_busy), before anything is written. `started(record)` is called once the job is
-    registered, before the ranks start."""
+    registered, before the ranks start. `waiting`: the record registered while it waited for
+    --after's job; the job takes its id and runs in its new run dir."""
     check_fits_here(spec)
-    run_dir = unfinished_run(spec, registry, fresh)  # first: a live run of this job uses our GPUs itself
+    # first: a live run of this job uses our GPUs itself
+    run_dir = unfinished_run(spec, registry, fresh) if waiting is None else None
     check_busy(spec, ignore_busy, say)
     with contextlib.ExitStack() as held:
-        if run_dir is not None:
+        if waiting is not None:
+            run_dir = Path(waiting.run_dir)
+            take_spec(run_dir, spec)  # the spec as checked again after the wait
+            held.enter_context(runlock.hold(run_dir))
+        elif run_dir is not None:
             held.enter_context(runlock.hold(run_dir))  # RunDirLocked if one took it just now
             say(resume_text(run_dir, spec))
         else:
@@ -204,7 +220,7 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
         note = shared_folder_note(spec, run_dir)
         if note:
             say(note)
-        record = registry.add(new_record(spec, spec_ref, run_dir, pid=os.getpid()))
+        record = register_local(registry, new_record(spec, spec_ref, run_dir, pid=os.getpid()), waiting)
         started(record)
         run_recorded(registry, record, spec, run_dir, echo=echo, say=say)
     return record
@@ -212,14 +228,14 @@ def submit_local(spec: Spec, spec_ref: str, registry: Registry, *, fresh: bool =
 
 def submit_local_sweep(spec: Spec, tasks: list[SweepTask], spec_ref: str, registry: Registry, *,
                        ignore_busy: bool = False, echo: IO[str] | None = None, say: Say = _stderr,
-                       started: Started = _nothing) -> JobRecord:
+                       started: Started = _nothing, waiting: JobRecord | None = None) -> JobRecord:
     """A sweep with the local executor: the tasks one after another, as one registered job with a
     task per point; stops after a cancelled task. Returns the record once the last task ended."""
     for task in tasks:
         check_fits_here(task.spec)
     check_busy(spec, ignore_busy, say)
     sweep = write_sweep(spec, tasks, spec_ref)
-    record = registry.add(new_record(spec, spec_ref, sweep.root, pid=os.getpid()))
+    record = register_local(registry, new_record(spec, spec_ref, sweep.root, pid=os.getpid()), waiting)
     record.tasks = [TaskRecord(f"{record.job_id}_{t.index}", str(d), t.values, gpus=record.gpus)
                     for t, d in zip(tasks, sweep.run_dirs)]
     registry.save(record)

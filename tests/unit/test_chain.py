@@ -116,6 +116,7 @@ def test_local_chain_runs_job_2_on_job_1_model_and_a_failed_job_1_leaves_it_not_
     assert (run2 / "model").is_dir()
     status = hpcgpu(["status", "local-2"], env, tmp_path)
     assert "after     job local-1" in status.stdout, status.stdout
+    assert "resuming" not in proc.stderr  # it runs in the run dir registered while it waited
 
     # a job 1 that fails (a command ending with exit 3 once job 2 waits for it): job 2 is recorded as
     # not run, and nothing of it runs
@@ -134,6 +135,8 @@ def test_local_chain_runs_job_2_on_job_1_model_and_a_failed_job_1_leaves_it_not_
         while "waiting for job local-3" not in said.read_text():
             assert time.monotonic() < deadline and job4.poll() is None, said.read_text()
             time.sleep(0.1)
+        waiting = hpcgpu(["status", "local-4"], env, tmp_path).stdout  # registered while it waits
+        assert "PENDING" in waiting and "waiting for job local-3 to complete" in waiting, waiting
         go.touch()
         assert job3.wait(timeout=120) == 3 and job4.wait(timeout=120) == 1, said.read_text()
     assert "job local-4 not run: job local-3 ended FAILED" in said.read_text()
