@@ -173,12 +173,11 @@ def find_finished_run(spec: Spec) -> Path | None:
     return next((run_dir for run_dir in runs_of_this_spec(spec) if is_finished(run_dir)), None)
 
 
-
 def shared_folder_note(spec: Spec, run_dir: Path) -> str | None:
     """For a command's new run beside earlier runs of the spec's name: the program works in the submit
     folder (as under sbatch and submitit), which they all share, so what it writes there by relative path
     (a snapshot it resumes from) is the earlier runs' too. None for other tasks or a first run."""
-    if spec.task != "command" or works_in_snapshot(run_dir):
+    if spec.task != "command":
         return None
     base = Path(spec.runs_dir).expanduser() / spec.name
     try:
@@ -190,15 +189,6 @@ def shared_folder_note(spec: Spec, run_dir: Path) -> str | None:
     return (f"note: the program runs in {Path.cwd()}, which every run of {spec.name} submitted from here shares: "
             "what it writes there by relative path (and resumes from) is the earlier runs' too; "
             "write to ${HPCGPU_RUN_DIR} (this run's folder) for outputs of this run alone")
-
-
-def works_in_snapshot(run_dir: Path) -> bool:
-    """Whether the run's program works in its own code snapshot (the submit folder is in the copied tree)."""
-    try:
-        source = json.loads(RunPaths(run_dir).provenance.read_text())["snapshot"]["source"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return RunPaths(run_dir).code.is_dir() and Path.cwd().resolve().is_relative_to(source)
 
 
 def resume_text(run_dir: Path, spec: Spec) -> str:

@@ -29,9 +29,9 @@ class CodeMap:
         here = self.mapped(os.getcwd())
         return here if here is not None and here.is_dir() else None
 
-    def argument(self, arg: str, cwd: Path | None) -> str:
-        """A program argument naming a file of the snapshot, as an absolute path into the copy; a relative
-        one stays relative where the program runs in the copy already (`cwd`)."""
+    def argument(self, arg: str) -> str:
+        """A program argument naming a file of the snapshot, as an absolute path into the copy (the
+        script itself: Python then imports its sibling modules from the copy too)."""
         if not arg or arg.startswith("-"):
             return arg
         try:
@@ -39,9 +39,7 @@ class CodeMap:
             is_file = target is not None and target.is_file()
         except (OSError, ValueError):  # a `python -c` program text: too long for a path, or a NUL in it
             return arg
-        if target is None or not is_file:
-            return arg
-        return arg if cwd is not None and not os.path.isabs(arg) else str(target)
+        return str(target) if target is not None and is_file else arg
 
 
 def code_map(paths: RunPaths) -> CodeMap | None:

@@ -16,9 +16,7 @@ PROGRAM = ("import json, os, sys; os.makedirs(sys.argv[1], exist_ok=True); "
 def test_arguments_name_the_run_dir_and_a_second_run_says_the_folder_is_shared(tmp_path: Path) -> None:
     import json
 
-    # without the code snapshot (tests/unit/test_snapshot.py): the program works in the submit folder
     spec = write_spec_file(tmp_path, {"name": "outs", "task": "command", "resources": {"gpus": 1},
-                                      "code": {"snapshot": False},
                                       "command": [sys.executable, "-c", PROGRAM, "${HPCGPU_RUN_DIR}/out",
                                                   "$HPCGPU_CHECKPOINT_DIR", "$HPCGPU_RUN_DIRX",
                                                   "--local_rank=${LOCAL_RANK}"]})

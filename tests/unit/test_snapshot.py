@@ -154,14 +154,14 @@ def test_a_local_command_job_runs_the_snapshot_and_its_resume_too(tmp_path):
     log = RunPaths(run_dir).rank_log(0).read_text()
     ran = [line for line in log.splitlines() if line.startswith("version")]
     assert len(ran) == 2, log
-    for line in ran:  # both starts: the copy's script, in the copy's working dir
-        assert line == f"version 1 file {code / 'exp' / 'train.py'} cwd {code / 'exp'}", line
+    for line in ran:  # both starts: the copy's script, in the submit folder (data and outputs stay there)
+        assert line == f"version 1 file {code / 'exp' / 'train.py'} cwd {repo / 'exp'}", line
     status = subprocess.run([sys.executable, "-m", "hpcgpu", "status", "local-2"], capture_output=True,
                             text=True, env=env, timeout=60)
     head = git(repo, "rev-parse", "HEAD").strip()
     assert f"commit    {head[:7]}\n" in status.stdout, status.stdout
-    fresh = submit(spec_file, "--new", env=env)  # beside the first run, yet in its own copy: no shared-folder note
-    assert "note:" not in fresh.stderr and "version 2" in fresh.stdout + RunPaths(
+    fresh = submit(spec_file, "--new", env=env)  # beside the first run, in the same submit folder: the note says so
+    assert "note: the program runs in" in fresh.stderr and "version 2" in fresh.stdout + RunPaths(
         max((tmp_path / "runs" / "snap").iterdir())).rank_log(0).read_text()
 
 
@@ -171,11 +171,11 @@ def test_command_arguments_naming_files_of_the_tree_point_into_the_copy(tmp_path
         (root / "exp").mkdir(parents=True)
         (root / "exp" / "train.py").write_text("")
     code = CodeMap(source, copy)
-    monkeypatch.chdir(tmp_path)  # outside the tree: the working dir stays, file arguments move
-    assert code.working_dir() is None
-    assert code.argument("src/exp/train.py", None) == str(copy / "exp" / "train.py")
-    assert code.argument(str(source / "exp" / "train.py"), None) == str(copy / "exp" / "train.py")
-    assert code.argument("--out=src/exp", None) == "--out=src/exp"
-    assert code.argument("import os\0" + "x" * 5000, None).startswith("import os")  # a -c program
-    monkeypatch.chdir(source / "exp")  # inside: the program runs in the copy, relative names stay
-    assert code.working_dir() == copy / "exp" and code.argument("train.py", copy / "exp") == "train.py"
+    monkeypatch.chdir(tmp_path)  # the working dir stays where it is; file arguments of the tree move
+    assert code.argument("src/exp/train.py") == str(copy / "exp" / "train.py")
+    assert code.argument(str(source / "exp" / "train.py")) == str(copy / "exp" / "train.py")
+    assert code.argument("--out=src/exp") == "--out=src/exp"
+    assert code.argument("src/exp/missing.csv") == "src/exp/missing.csv"  # not a file of the copy
+    assert code.argument("import os\0" + "x" * 5000).startswith("import os")  # a -c program
+    monkeypatch.chdir(source / "exp")  # inside the tree: a relative script name moves too
+    assert code.argument("train.py") == str(copy / "exp" / "train.py")

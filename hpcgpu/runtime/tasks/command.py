@@ -195,18 +195,16 @@ def launcher_signals_the_program(env: DistEnv) -> bool:
 def start_program(spec: Spec, spec_path: Path, paths: RunPaths, env: DistEnv) -> subprocess.Popen:
     program_env = command_env(spec, spec_path, paths, env)
     argv = [run_vars_in(arg, program_env) for arg in spec.command or []]
-    cwd = None
     if (code := code_map(paths)) is not None:  # the submit-time code, never the working tree of now
-        cwd = code.working_dir()
-        argv = [code.argument(arg, cwd) for arg in argv]
-        if cwd is not None:
-            program_env["PWD"] = str(cwd)
+        # the working dir stays the submit folder (data and outputs by relative path, ignored files
+        # included, are where they were); the script, file arguments and PYTHONPATH come from the copy
+        argv = [code.argument(arg) for arg in argv]
         if program_env.get("PYTHONPATH"):
             program_env["PYTHONPATH"] = os.pathsep.join(
                 str(code.mapped(e) or e) if e else e for e in program_env["PYTHONPATH"].split(os.pathsep))
     try:
         # through a shim that dies with this wrapper: no program outlives a killed launcher
-        return subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env, cwd=cwd)
+        return subprocess.Popen(child_dies_with_me(argv, program_env), env=program_env)
     except FileNotFoundError:
         raise HpcgpuError(f"command: program {argv[0]!r} not found on PATH") from None
     except PermissionError:
