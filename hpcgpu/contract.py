@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import shutil
 import signal
 import time
@@ -220,6 +221,11 @@ SIGNAL_HINTS = {
 def signal_hint(exit_code: int | None) -> str:
     """The likely cause of a death by signal (exit code 128+N), '' for any other end."""
     return SIGNAL_HINTS.get(exit_code or 0, "")
+
+
+def node_name() -> str:
+    """This node as SLURM names it (SLURMD_NODENAME), else the host name: for failure records and lines."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def attempt_id(environ: Mapping[str, str] | None = None) -> str:

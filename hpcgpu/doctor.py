@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from hpcgpu.contract import node_name
+
 MiB = 1 << 20
 GiB = 1 << 30
 DISK_FAIL_BYTES, DISK_WARN_BYTES = 1 * GiB, 20 * GiB
@@ -303,7 +305,7 @@ def check_in_job(out_dir: Path, quick: bool = False) -> int:
     all ranks (rank 0 reports it), written to out_dir/rank-<N>.json for the host to print."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = node_name()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # unset: every GPU of the node (doctor here, a workstation)
     only_allreduce = os.environ.get("HPCGPU_DOCTOR_ALLREDUCE_ONLY") == "1"  # doctor here, its GPUs measured
     node_rows, gpus = nvml_checks(host)

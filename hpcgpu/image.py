@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
-from hpcgpu.contract import ENV_RUN_DIR, EXIT_USAGE, Failure, attempt_id, record_failure
+from hpcgpu.contract import ENV_RUN_DIR, EXIT_USAGE, Failure, attempt_id, node_name, record_failure
 
 ENV_CONTAINER_IMAGE = "HPCGPU_CONTAINER_IMAGE"  # set by launch/container.py for every rank in an image
 # what `hpcgpu run` imports (import names); submitit, datasets, matplotlib serve the host or one input kind
@@ -34,7 +33,7 @@ def check_image() -> None:
     run_dir = os.environ.get(ENV_RUN_DIR)  # every launcher sets it; a rank run by hand has no record to write
     if run_dir:
         rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        node = node_name()
         record_failure(Path(run_dir), Failure(attempt_id(), rank, node, EXIT_USAGE, message, time.time()))
     print(f"hpcgpu: error: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)

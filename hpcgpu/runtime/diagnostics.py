@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 import time
 from importlib import metadata
 
+from hpcgpu.contract import node_name
 from hpcgpu.gpu.busy import select
 from hpcgpu.gpu.source import default_source
 from hpcgpu.runtime.env import DistEnv
@@ -54,7 +54,7 @@ def visible_gpus() -> str:
 
 
 def startup_line(env: DistEnv) -> str:
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = node_name()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return (f"rank {env.rank}/{env.world_size} (local {env.local_rank}) on {host} | "
             f"CUDA_VISIBLE_DEVICES={visible if visible is not None else '(unset)'} | {visible_gpus()} | "

@@ -21,13 +21,11 @@ A task supplies only its hooks: its safe points, what it saves and what its stop
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcgpu.contract import RunPaths, attempt_id
+from hpcgpu.contract import RunPaths, attempt_id, node_name
 from hpcgpu.gpu.monitor import GpuMonitor
 from hpcgpu.runtime.diagnostics import print_startup_line
 from hpcgpu.runtime.env import DistEnv
@@ -69,7 +67,7 @@ class Run:
 
     def watch(self) -> None:
         """This rank's progress watchdog (runtime/watchdog.py), for tasks that beat it."""
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        node = node_name()
         spec, env, run_dir = self.spec, self.env, self.run_dir
         self.watchdog = Watchdog(run_dir, attempt_id(), env.rank, node,
                                  spec.distributed.hang_timeout_s if spec else None,

@@ -6,13 +6,12 @@ import hashlib
 import importlib
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hpcgpu.contract import (EXIT_STOPPED, Failure, RunPaths, attempt_id, flight_recorder_note, record_failure,
+from hpcgpu.contract import (EXIT_STOPPED, Failure, RunPaths, attempt_id, flight_recorder_note, node_name, record_failure,
                              stalled_peer)
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.runtime.env import DistEnv
@@ -159,7 +158,7 @@ def failed_first(env: DistEnv, run_dir: Path) -> Failure | None:
 
 
 def record(env: DistEnv, run_dir: Path, code: int, message: str) -> None:
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = node_name()
     record_failure(run_dir, Failure(attempt_id(), env.rank, node, code, message, time.time()))
 
 
