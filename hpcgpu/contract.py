@@ -102,7 +102,8 @@ class RunPaths:
         return sorted(self.run_dir.glob("gpu*.jsonl"))
 
     def rank_log(self, rank: int) -> Path:
-        """The local executor: what one rank printed (SLURM jobs log to slurm-<id>.out/.err)."""
+        """The local executor: what one rank printed (SLURM jobs log to slurm-<id>.out/.err); under every
+        executor, the Python warnings the rank met (runtime/logsetup.py)."""
         return self.logs / f"rank-{rank}.log"
 
     @property

@@ -61,7 +61,7 @@ class Run:
     @classmethod
     def begin(cls, spec: Spec | None, run_dir: Path, env: DistEnv, records: bool = True) -> "Run":
         """Logging and the start-up line, first of all: what follows may fail."""
-        setup_logging(env)
+        setup_logging(env, run_dir)
         print_startup_line(env)
         return cls(spec, env, run_dir, records=records)
 

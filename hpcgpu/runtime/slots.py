@@ -416,7 +416,9 @@ class SlotEngine:
         with torch.inference_mode():
             dyn = dynamic_cache(self.model.config)
             one = torch.full((1, 1), self.s.pad, dtype=torch.long, device=self.device)
-            self.model(input_ids=one, use_cache=True, **{self.cache_kw: dyn}, **self.keep)
+            # without a mask, a pad token as input makes transformers warn that the row may be padded
+            self.model(input_ids=one, attention_mask=torch.ones_like(one), use_cache=True,
+                       **{self.cache_kw: dyn}, **self.keep)
             self._allocate(cache_tensors(dyn))
             for width in self.widths:
                 if self.graphs_off_why is None:
