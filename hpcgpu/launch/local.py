@@ -9,7 +9,8 @@ No rank outlives its launcher and no run dir gets two live jobs: the executor lo
 rank lives and is released by the kernel when the last one is gone; each rank asks the kernel to
 SIGKILL it when the launcher dies (HPCGPU_PARENT_PID, hpcgpu/procs.py), so a launcher killed with
 SIGKILL takes its ranks along. Orderly stops (Ctrl-C, SIGTERM, a terminal hang-up, `hpcgpu cancel`)
-go through the launcher: the ranks checkpoint and stop.
+go through the launcher: the ranks checkpoint and stop; the copies of one stop signal that arrive
+together are one stop (hpcgpu/stopwindow.py), a second stop after them kills the ranks.
 
 The job around the ranks (busy GPUs, which run dir, the registry record, how it ended) is
 local_submit.py's; this module only starts the ranks and waits for them.
@@ -38,9 +39,12 @@ from hpcgpu.launch.container import rank_argv
 from hpcgpu.procs import PARENT_PID_VAR
 from hpcgpu.spec import Spec
 from hpcgpu.spec.derive import signal_name
+from hpcgpu.stopwindow import SAME_STOP_S, StopWindow
 
 STOP_GRACE_S = 5.0  # after one rank fails, the others get this long to exit before SIGKILL
 PREEMPT_GRACE_S = 120.0  # after Ctrl-C, ranks get this long to checkpoint (a second Ctrl-C kills)
+# kills the ranks at once, no checkpoint: `hpcgpu cancel --now`, or Ctrl-\ (quit, by its convention)
+KILL_NOW_SIGNAL = signal.SIGQUIT
 
 
 def free_port() -> int:
@@ -220,21 +224,28 @@ def exited_text(failed: list[tuple[Rank, int]]) -> str:
 
 
 def wait_ranks(ranks: list[Rank], spec: Spec, say: Callable[[str], None]) -> int:
-    """Wait for all ranks; a failing rank stops the rest; Ctrl-C asks all to checkpoint and stop."""
+    """Wait for all ranks; a failing rank stops the rest; Ctrl-C asks all to checkpoint and stop, a
+    second one (after the copies of the first, StopWindow) or KILL_NOW_SIGNAL kills them."""
     preempt_sig = getattr(signal, f"SIG{signal_name(spec)}", signal.SIGTERM)
     interrupted: list[float] = []
+    window = StopWindow()
 
     def on_interrupt(signum: int, frame: object) -> None:
-        if interrupted:
-            _say_safely(say, "second interrupt: killing all ranks")
+        now = signum == KILL_NOW_SIGNAL
+        if not now and not window.is_new():
+            return  # a copy of the stop under way (the shell, `timeout`, srun relay one signal several times)
+        if interrupted or now:
+            _say_safely(say, "killing all ranks now, without a checkpoint" if now else "second interrupt: killing all ranks")
             _signal_all(ranks, signal.SIGKILL)
-        else:
-            what = "hang-up" if signum == getattr(signal, "SIGHUP", None) else "interrupt"
-            _say_safely(say, f"{what}: asking all ranks to checkpoint and stop (again to kill)")
-            _signal_all(ranks, preempt_sig)
+            interrupted.extend([time.monotonic()] * (1 if interrupted else 2))  # two stops: the kill's
+            return
+        what = "hang-up" if signum == getattr(signal, "SIGHUP", None) else "interrupt"
+        _say_safely(say, f"{what}: asking all ranks to checkpoint and stop "
+                         f"(interrupt again, {SAME_STOP_S:g} s or more from now, to kill)")
+        _signal_all(ranks, preempt_sig)
         interrupted.append(time.monotonic())
 
-    previous = {s: signal.signal(s, on_interrupt) for s in stop_signals()}
+    previous = {s: signal.signal(s, on_interrupt) for s in [*stop_signals(), KILL_NOW_SIGNAL]}
     try:
         first_failure = watch_ranks(ranks, interrupted, say)
     except BaseException:

@@ -21,6 +21,7 @@ from types import FrameType
 from typing import Callable
 
 from hpcgpu.contract import ENV_PENDING_SIGNAL
+from hpcgpu.stopwindow import StopWindow
 
 # every signal a spec may name as its preemption signal, plus SIGTERM/SIGINT (the spec is not read yet)
 CANDIDATES = ("TERM", "INT", "USR1", "USR2", "XCPU", "HUP", "QUIT", "ALRM")
@@ -65,8 +66,10 @@ def stop_signals(preemption: str | None) -> list[int]:
 class StopSignals:
     """This rank's stop signals. signum/when: the first one (it tells why the job stops), also one that
     came during start-up (`early`); received: each signal the handler saw, once (under `scancel --full`
-    one reaches a rank from SLURM and from the batch script). on_signal: called for each new one (the
-    command task hands it to its program); it must be as light as a handler may be."""
+    one reaches a rank from SLURM and from the batch script), but for one of another kind that came
+    within the window of the stop under way (StopWindow: `timeout`, a shell or srun relaying one
+    person's stop): a copy of it. on_signal: called for each new one (the command task hands it to its
+    program); it must be as light as a handler may be."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -75,6 +78,7 @@ class StopSignals:
         self.received: list[int] = []
         self.on_signal: Callable[[int], None] | None = None
         self._previous: dict[int, object] = {}
+        self._window = StopWindow()
 
     def install(self, signums: list[int], on_signal: Callable[[int], None] | None = None) -> None:
         self.on_signal = on_signal
@@ -87,7 +91,7 @@ class StopSignals:
             (self.signum, self.when), self.early = came, True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum in self.received:
+        if signum in self.received or not self._window.is_new():
             return
         self.received.append(signum)
         if self.signum is None:  # the first signal tells why we stop

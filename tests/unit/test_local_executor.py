@@ -13,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hpcgpu.contract import EXIT_STOPPED
+
 from conftest import (job_env, kill_leftovers, rank_processes, submit, submit_all, submit_cmd, train_spec,
                       wait_for, write_spec_file)
 
@@ -201,11 +203,13 @@ def test_a_crashing_rank_ends_the_job(tmp_path: Path, entry: str) -> None:
         kill_leftovers(marker)
 
 
-def start_long_train(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+def start_long_train(tmp_path: Path, name: str, *args: str, wrap: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """A 100000-step train job under `hpcgpu submit` (in `wrap`, e.g. `timeout 280`), in a process group
+    of its own, once its first step is logged."""
     spec = train_spec(name, train={"max_steps": 100000, "warmup_steps": 2})
     path = write_spec_file(tmp_path, spec)
     log = open(tmp_path / f"{name}.out", "w")
-    proc = subprocess.Popen(submit_cmd(path, *args), stdout=log, stderr=subprocess.STDOUT, env=job_env(),
+    proc = subprocess.Popen([*wrap, *submit_cmd(path, *args)], stdout=log, stderr=subprocess.STDOUT, env=job_env(),
                             cwd=tmp_path, start_new_session=True)
     log.close()
 
@@ -282,22 +286,60 @@ def test_ctrl_c_leaves_no_rank_behind(tmp_path: Path) -> None:
         stop(proc, marker)
 
 
-def test_a_second_ctrl_c_kills_and_is_a_cancellation_not_a_failure(tmp_path: Path) -> None:
+def test_one_interrupt_to_a_group_under_timeout_is_one_stop_at_a_checkpoint(tmp_path: Path) -> None:
+    """One Ctrl-C to a shell's foreground group holding `timeout 280 hpcgpu submit ...`: `timeout`
+    passes it on and signals its group again, so the executor gets it three times within milliseconds.
+    That is one person's stop: the ranks checkpoint (exit 75, a stop record, step-N), not killed."""
     marker = str(tmp_path / "runs")
-    proc, run_dir = start_long_train(tmp_path, "twice", "--new")
+    proc, run_dir = start_long_train(tmp_path, "group", "--new", wrap=("timeout", "280"))
     try:
-        os.kill(proc.pid, signal.SIGINT)
-        assert wait_for(lambda: "asking all ranks to checkpoint" in (tmp_path / "twice.out").read_text(), timeout=30)
-        os.kill(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=90) == EXIT_STOPPED, (tmp_path / "group.out").read_text()[-2000:]
+        out = (tmp_path / "group.out").read_text()
+        assert out.count("asking all ranks to checkpoint and stop") == 1 and "killing" not in out, out[-2000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        (stop_record,) = [r for r in records if r.get("kind") == "stop"]
+        assert (run_dir / "checkpoints" / f"step-{stop_record['step']:08d}" / "COMPLETE").is_file()
         assert not rank_processes(marker)
-        out = (tmp_path / "twice.out").read_text()
+    finally:
+        stop(proc, marker)
+
+
+def test_a_second_interrupt_after_the_window_kills_and_copies_within_it_do_not(tmp_path: Path) -> None:
+    """A program that ignores the stop signal keeps its ranks running: two interrupts at once are one
+    stop (nothing killed); one SAME_STOP_S later is a person's second Ctrl-C: it kills (130), and the
+    job is CANCELLED, not FAILED."""
+    from hpcgpu.stopwindow import SAME_STOP_S
+
+    code = ("import os, signal, time; [signal.signal(s, signal.SIG_IGN) for s in "
+            "(signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)]; "
+            "open(os.path.join(os.environ['OUT'], 'up-' + os.environ['RANK']), 'w').close(); time.sleep(300)")
+    path = write_spec_file(tmp_path, command_spec("deaf", code, tmp_path, gpus=2))
+    log = open(tmp_path / "deaf.out", "w")
+    proc = subprocess.Popen(submit_cmd(path, "--new"), stdout=log, stderr=subprocess.STDOUT, env=job_env(),
+                            cwd=tmp_path, start_new_session=True)
+    log.close()
+    marker = str(tmp_path / "runs")
+    try:
+        assert wait_for(lambda: len(list(tmp_path.glob("up-*"))) == 2, timeout=60), (tmp_path / "deaf.out").read_text()
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.3)  # (two at once would reach Python's handler once)
+        os.kill(proc.pid, signal.SIGTERM)  # a relayed copy: `timeout` and srun pass a stop on as SIGTERM
+        time.sleep(SAME_STOP_S + 0.5)
+        out = (tmp_path / "deaf.out").read_text()
+        assert proc.poll() is None and "killing" not in out, out[-2000:]
+        assert len(rank_processes(marker)) == 2
+        os.kill(proc.pid, signal.SIGINT)  # the person's second Ctrl-C
+        assert proc.wait(timeout=60) == 130
+        out = (tmp_path / "deaf.out").read_text()
         assert "second interrupt: killing all ranks" in out
         assert "cancelled (killed at a second interrupt; the same command goes on from its last complete " \
                "checkpoint)" in out and "failed" not in out, out[-2000:]
+        assert not rank_processes(marker)
         status = subprocess.run([sys.executable, "-m", "hpcgpu", "list", "--json"], capture_output=True,
                                 text=True, env=job_env(), cwd=tmp_path, timeout=60)
-        (job,) = [j for j in json.loads(status.stdout) if j["run_dir"] == str(run_dir)]
+        (run_dir,) = (tmp_path / "runs" / "deaf").iterdir()
+        (job,) = [j for j in json.loads(status.stdout) if j["run_dir"] == str(run_dir.resolve())]
         assert job["state"] == "CANCELLED" and "second interrupt" in job["reason"]
     finally:
         stop(proc, marker)

@@ -12,13 +12,15 @@ import torch
 from hpcgpu.runtime import signals as stop_signals_module
 from hpcgpu.runtime.agree import StopAgreement
 from hpcgpu.runtime.signals import StopSignals, catch_early_signals
+from hpcgpu.stopwindow import SAME_STOP_S, StopWindow
 
 
 def test_the_early_handlers_load_nothing_slow() -> None:
     """`hpcgpu run` installs them first: a USR2 while a heavy import runs would kill the rank."""
     code = "import sys, hpcgpu.runtime.signals; print(sorted(m for m in sys.modules if m.startswith('hpcgpu')))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(loaded) == ["hpcgpu", "hpcgpu.contract", "hpcgpu.runtime", "hpcgpu.runtime.signals"], loaded
+    assert eval(loaded) == ["hpcgpu", "hpcgpu.contract", "hpcgpu.runtime", "hpcgpu.runtime.signals",
+                            "hpcgpu.stopwindow"], loaded
 
 
 def test_a_signal_during_start_up_counts_and_each_signal_is_handed_over_once() -> None:
@@ -27,11 +29,17 @@ def test_a_signal_during_start_up_counts_and_each_signal_is_handed_over_once() -
     try:
         catch_early_signals()
         os.kill(os.getpid(), signal.SIGUSR2)  # before the spec is read: remembered, not fatal
-        signals, handed = StopSignals(), []
+        signals, handed, now = StopSignals(), [], [100.0]
+        signals._window = StopWindow(clock=lambda: now[0])
         signals.install([signal.SIGUSR1, signal.SIGUSR2], handed.append)
         assert (signals.signum, signals.early, signals.received) == (signal.SIGUSR2, True, [])
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # not a stop signal of this spec: given back
         for signum in (signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR2):  # `scancel --full`: twice
+            os.kill(os.getpid(), signum)
+        # one stop: a signal of another kind right after it is a relayed copy (`timeout`, srun)
+        assert handed == signals.received == [signal.SIGUSR1]
+        now[0] += SAME_STOP_S
+        for signum in (signal.SIGUSR1, signal.SIGUSR2):  # later: USR1 was handed over already, USR2 is new
             os.kill(os.getpid(), signum)
         assert handed == signals.received == [signal.SIGUSR1, signal.SIGUSR2]
         assert signals.signum == signal.SIGUSR2  # the first one tells why
