@@ -6,7 +6,8 @@ single document (a .txt file): then no eos. So a spec that switches from the raw
 dataset trains on identical sequences.
 
 data.format chat and prompt_completion: each example's ids then eos (always, one example or many), and
-a loss mask beside them (mask.bin; examples.py says which tokens count).
+a loss mask beside them (mask.bin; examples.py says which tokens count). Rows with no trainable token
+(trainable.py) are counted into the manifest; data where no row has one is refused.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from hpcgpu.data.sources import (
     source_records)
 from hpcgpu.data.tokenizer import (ByteTokenizer, as_tokenizer, describe, same_tokenizer, token_dtype,
                                    tokenizer_identity, vocab_size)
+from hpcgpu.data.trainable import UntrainedRows
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.procs import set_parent_death_signal
 
@@ -136,13 +138,17 @@ def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_fie
     writer = TokenWriter(folder, dtype, masks=examples)
     top = -1
     progress = TokenizeProgress(*total, label=src.path.name)
+    untrained = UntrainedRows(data_format) if examples else None
     try:
-        for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype, data_format):
+        for chunk, units in tokenized_chunks(src, tokenizer, text_field, workers, eos, dtype, data_format,
+                                             untrained):
             writer.write_chunk(chunk.ids, chunk.lengths)
             if chunk.mask is not None:
                 writer.write_mask(chunk.mask)
             top = max(top, chunk.max_id)
             progress.update(units, len(chunk.ids))
+        if untrained is not None and (refusal := untrained.refusal()):
+            raise HpcgpuError(refusal)
     except BaseException:
         writer.abort()
         raise
@@ -153,8 +159,11 @@ def write_tokens(src: Source, tokenizer: Any, folder: Path, dtype: str, text_fie
     elif writer.num_docs > 1 and eos is not None:
         top = max(top, int(eos))
     writer.close()
+    if untrained is not None and (note := untrained.note()):
+        log.warning(note)
     return {"num_tokens": writer.num_tokens, "num_documents": writer.num_docs,
-            "max_token_id": top if writer.num_tokens else None, "eos_id": eos}
+            "max_token_id": top if writer.num_tokens else None, "eos_id": eos,
+            **(untrained.manifest() if untrained is not None else {})}
 
 
 # ---------------------------------------------------------------- tokenizing chunks
@@ -228,9 +237,11 @@ def tokenize_in_worker(texts: list[Any]) -> Chunk:
 
 
 def tokenized_chunks(src: Source, tokenizer: Any, text_field: str, workers: int, eos: Optional[int],
-                     dtype: str, data_format: str = "text") -> Iterator[tuple[Chunk, int]]:
-    """Tokenized chunks in input order, with the progress units each covers."""
-    chunks = iter_chunks(iter_documents(src, text_field, data_format))
+                     dtype: str, data_format: str = "text",
+                     untrained: Optional[UntrainedRows] = None) -> Iterator[tuple[Chunk, int]]:
+    """Tokenized chunks in input order, with the progress units each covers; `untrained` sees each example."""
+    documents = iter_documents(src, text_field, data_format)
+    chunks = iter_chunks(untrained.watch(documents) if untrained is not None else documents)
     if workers == 1:
         for texts, units in chunks:
             yield tokenize_chunk(tokenizer, texts, eos, dtype, data_format), units

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from hpcgpu.data import PreparedData, open_training_data
 from hpcgpu.data.sources import iter_documents, open_source
 from hpcgpu.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from hpcgpu.data.trainable import manifest_note
 from hpcgpu.errors import HpcgpuError
 
 __all__ = ["Batch", "BatchSchedule", "Blocks", "ByteTokenizer", "DataPosition", "ExampleBlocks", "TokenBlocks",
@@ -116,7 +117,9 @@ class ExampleBlocks:
     Which examples make a block is worked out at load from docs.npy alone (example lengths), so it is
     cheap, deterministic and the same on every rank; tokens are read when a batch asks for them.
     packing: each block holds as many whole examples as fit, in input order; else one example a block.
-    An example longer than seq_len is cut to its first seq_len tokens. A batch is a dict of int64
+    An example longer than seq_len is cut to its first seq_len tokens. The log line at load counts the
+    rows without a trainable token (the manifest's count) and those the cut leaves none; data where no
+    example keeps one is refused. A batch is a dict of int64
     tensors: input_ids (padding: eos, or 0 without one), labels (the token where the loss mask is 1,
     else -100; also -100 on padding and on each example's first token, which has nothing of its own
     before it to be predicted from) and attention_mask (0 on padding)."""
@@ -131,6 +134,7 @@ class ExampleBlocks:
         if len(lengths) == 0:
             raise HpcgpuError(f"{source}: no examples")
         cut = int((lengths > seq_len).sum())
+        untrained = untrained_note(data, starts, lengths, seq_len, source)
         lengths = np.minimum(lengths, seq_len)
         self.starts, self.lengths = starts, lengths
         self.firsts = pack_examples(lengths, seq_len) if packing else np.arange(len(lengths) + 1, dtype=np.int64)
@@ -138,8 +142,9 @@ class ExampleBlocks:
         self.seq_len, self.path = seq_len, data.path
         self.max_token_id: Optional[int] = data.max_token_id
         self.pad_id = int(data.eos_id) if data.eos_id is not None else 0
-        log.info(f"{source}: {len(lengths):,} {data.data_format} examples in {len(self):,} blocks of {seq_len} "
-                 f"tokens ({'packed' if packing else 'one a block'}); {cut:,} longer than seq_len cut to it")
+        (log.warning if untrained else log.info)(
+            f"{source}: {len(lengths):,} {data.data_format} examples in {len(self):,} blocks of {seq_len} tokens "
+            f"({'packed' if packing else 'one a block'}); {cut:,} longer than seq_len cut to it{untrained}")
 
     def __len__(self) -> int:
         return len(self.firsts) - 1
@@ -178,6 +183,38 @@ class ExampleBlocks:
         if isinstance(key, slice):
             return self.take(list(range(len(self))[key]))  # a range slices without a list of every block
         return self.take(key)
+
+
+def trained_in(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The loss-mask ones in each span [starts[i], ends[i]): spans in order, apart, none empty. One sweep
+    over the (memory-mapped) mask."""
+    if not len(starts):
+        return np.zeros(0, dtype=np.int64)
+    bounds = np.stack([starts, ends], axis=1).reshape(-1)
+    if bounds[-1] >= len(mask):
+        bounds = bounds[:-1]  # the last span runs to the end, where reduceat stops
+    return np.add.reduceat(mask, bounds, dtype=np.int64)[::2]
+
+
+def untrained_note(data: PreparedData, starts: np.ndarray, lengths: np.ndarray, seq_len: int, source: str) -> str:
+    """The log line's words on examples that train nothing: the rows without a trainable token (the
+    manifest's count, trainable.py's rule) and those whose trainable tokens all lie past seq_len (an
+    example's first token is never a target). No example keeping one is an error: every loss would be 0."""
+    assert data.mask is not None
+    kept = np.minimum(lengths, seq_len)
+    some = kept > 1
+    trains = np.zeros(len(lengths), dtype=bool)
+    trains[some] = trained_in(data.mask, starts[some] + 1, starts[some] + kept[some]) > 0
+    if not trains.any():
+        raise HpcgpuError(f"{source}: no example has a trainable token in its first seq_len={seq_len} tokens, so "
+                          "every step's loss would be 0; raise data.seq_len or give rows whose trained part "
+                          "comes sooner")
+    long = (lengths > seq_len) & ~trains
+    lost = trained_in(data.mask, starts[long] + seq_len, starts[long] + lengths[long]) > 0
+    words = [note for note in (manifest_note(data.manifest),) if note]
+    if lost.any():
+        words.append(f"{int(lost.sum()):,} lose every trainable token to the seq_len={seq_len} cut")
+    return "".join(f"; {w}" for w in words)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
