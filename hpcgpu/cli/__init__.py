@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> Any:
     except click.exceptions.Abort:
         click.echo("hpcgpu: aborted", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as exc:  # `hpcgpu data`: the group's help, as git does
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        click.echo(f"hpcgpu: error: {usage_error_line(exc)}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
@@ -85,3 +91,30 @@ def main(argv: list[str] | None = None) -> Any:
         click.echo("hpcgpu: interrupted", err=True)
         sys.exit(130)
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def usage_error_line(exc: click.UsageError, hint: str | None = None) -> str:
+    """A bad flag or argument as click finds it, in the words of our own usage errors: one line, the
+    flag first; then `hint`, else the usage line where something is missing, the help command where a
+    name is unknown."""
+    command = exc.ctx.command_path if exc.ctx else "hpcgpu"
+    if isinstance(exc, click.MissingParameter) and exc.param is not None:
+        usage = exc.ctx.get_usage().removeprefix("Usage: ") if exc.ctx else command
+        return f"missing {param_name(exc.param)} ({hint or 'usage: ' + usage})"
+    if isinstance(exc, click.BadParameter) and exc.param is not None:
+        return f"{param_name(exc.param)}: {exc.message.rstrip('.')}"
+    if isinstance(exc, click.NoSuchOption):
+        if exc.possibilities:
+            return f"no such option {exc.option_name} (did you mean {' or '.join(exc.possibilities)}?)"
+        message = f"no such option {exc.option_name}"
+    else:
+        message = exc.format_message().rstrip(".")
+        message = message[:1].lower() + message[1:]
+        if isinstance(exc, click.BadOptionUsage) and hint is None:  # it names the flag, not its command
+            return message
+    return f"{message} ({hint or f'see {command} --help'})"
+
+
+def param_name(param: click.Parameter) -> str:
+    """--flag (its first, current name) or ARGUMENT."""
+    return param.opts[0] if isinstance(param, click.Option) else param.human_readable_name

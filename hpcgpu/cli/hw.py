@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from hpcgpu.cli.options import gpus_option, nodes_option, read_spec, set_option
+from hpcgpu.cli.options import busy_options, gpus_option, nodes_option, read_spec, set_option
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, busy_warnings, select
 from hpcgpu.gpu.estimate import fmt_bytes
@@ -149,13 +149,11 @@ def print_recommendation(spec: Spec, rec: Recommendation | None, note: str, chos
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--devices", default=None, metavar="0,1,4,7",
               help="Only these GPU indices (overrides resources.devices).")
-@click.option("--busy-memory", type=click.FloatRange(0, 100), default=None, metavar="PCT",
-              help="Busy above this % of memory used [resources.busy.memory_pct, 10].")
-@click.option("--busy-util", type=click.FloatRange(0, 100), default=None, metavar="PCT",
-              help="Busy above this % utilization [resources.busy.util_pct, 10].")
+@busy_options("resources.busy")
 @click.option("--ignore-processes", is_flag=True, help="A compute process alone does not make a GPU busy.")
 def hw(spec_file: str | None, overrides: tuple[str, ...], gpus: int | None, nodes: int | None, as_json: bool,
-       devices: str | None, busy_memory: float | None, busy_util: float | None, ignore_processes: bool) -> None:
+       devices: str | None, busy_memory_pct: float | None, busy_util_pct: float | None, ignore_processes: bool
+       ) -> None:
     """GPUs (memory, utilization, power, processes, busy or free), CPUs and RAM here; with SPEC, the
     micro batch, accumulation, loader workers and strategy that fit it on these GPUs."""
     if not spec_file and (overrides or gpus or nodes):
@@ -163,7 +161,7 @@ def hw(spec_file: str | None, overrides: tuple[str, ...], gpus: int | None, node
     if devices is not None and not all(d.strip().isdigit() for d in devices.split(",")):
         raise UsageError(f"--devices: {devices!r} is not a list of GPU indices like 0,1,4,7")
     spec = read_spec(spec_file, overrides, gpus, nodes) if spec_file else None
-    th = thresholds(spec, busy_memory, busy_util, ignore_processes)
+    th = thresholds(spec, busy_memory_pct, busy_util_pct, ignore_processes)
     source = default_source()
     nvml = source.available()
     readings = source.read() if nvml else []

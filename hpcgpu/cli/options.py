@@ -33,3 +33,27 @@ def read_spec(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | None 
 ignore_busy_option = click.option(
     "--ignore-busy", is_flag=True,
     help="Use GPUs that other processes are using, too (local executor and queue).")
+
+
+class Renamed(click.Option):
+    """An option whose first name is its name now: the later ones, its spellings that shipped before,
+    still work, and --help shows the first only."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        shipped, self.opts = self.opts, self.opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = shipped
+
+
+def busy_options(defaults: str) -> Callable[[F], F]:
+    """--busy-memory-pct and --busy-util-pct (resources.busy's keys; hw's first spellings still work);
+    `defaults`: where the value comes from without them."""
+    memory = click.option("--busy-memory-pct", "--busy-memory", "busy_memory_pct", cls=Renamed,
+                          type=click.FloatRange(0, 100), default=None, metavar="PCT",
+                          help=f"A GPU with more than this % of its memory used is busy [{defaults}.memory_pct, 10].")
+    util = click.option("--busy-util-pct", "--busy-util", "busy_util_pct", cls=Renamed,
+                        type=click.FloatRange(0, 100), default=None, metavar="PCT",
+                        help=f"A GPU with more than this % utilization is busy [{defaults}.util_pct, 10].")
+    return lambda f: memory(util(f))

@@ -1,4 +1,4 @@
-"""`hpcgpu queue FILE [--gpus 0,1,4,7]`: many jobs over the free GPUs of this machine.
+"""`hpcgpu queue FILE [--devices 0,1,4,7]`: many jobs over the free GPUs of this machine.
 
 FILE has one job per line, written as the arguments of `hpcgpu submit`:
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import click
 
-from hpcgpu.cli.options import ignore_busy_option, spec_options
+from hpcgpu.cli import usage_error_line
+from hpcgpu.cli.options import Renamed, busy_options, ignore_busy_option, spec_options
 from hpcgpu.cli.table import format_table
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.gpu.busy import BusyThresholds, busy_reasons, select, strictest, usage_text
@@ -33,6 +34,8 @@ from hpcgpu.launch.registry import Registry
 from hpcgpu.launch.resolve import QUEUE, read_resolved
 from hpcgpu.launch.rundir import find_finished_run
 from hpcgpu.spec import Spec
+
+LINE_FORM = "a line is: SPEC [--gpus N] [--set K=V]... [--sweep K=V1,V2] [--new]"
 
 
 @click.command("line", add_help_option=False)
@@ -64,10 +67,10 @@ def parse_line(queue_file: Path, line: int, text: str) -> list[QueueEntry]:
         return [point_entry(where, line, spec_path, params, task.spec, task.label(),
                             tuple(f"{k}={json.dumps(v)}" for k, v in task.values.items()) + ("sweep={}",))
                 for task in resolved.tasks]
-    except (ValueError, click.ClickException) as exc:
-        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
-        raise UsageError(f"{where}: {message} (a line is: SPEC [--gpus N] [--set K=V]... [--sweep K=V1,V2] "
-                         "[--new])") from None
+    except click.UsageError as exc:
+        raise UsageError(f"{where}: {usage_error_line(exc, LINE_FORM)}") from None
+    except ValueError as exc:  # shlex: an unclosed quote
+        raise UsageError(f"{where}: {exc} ({LINE_FORM})") from None
     except UsageError:
         raise
     except HpcgpuError as exc:
@@ -116,38 +119,39 @@ def pool_thresholds(entries: list[QueueEntry], memory_pct: float | None, util_pc
                           th.util_pct if util_pct is None else util_pct, th.processes)
 
 
-def gpu_ids_as_given(gpus: str) -> list[str]:
-    """--gpus without NVML to check it against: indexes or GPU UUIDs, each once (they become the jobs'
+def gpu_ids_as_given(devices: str) -> list[str]:
+    """--devices without NVML to check it against: indexes or GPU UUIDs, each once (they become the jobs'
     CUDA_VISIBLE_DEVICES)."""
-    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    ids = [g.strip() for g in devices.split(",") if g.strip()]
     bad = [g for g in ids if not (g.isdigit() or g.startswith(("GPU-", "MIG-")))]
     if not ids:
-        raise UsageError(f"--gpus {gpus!r}: no GPU named")
+        raise UsageError(f"--devices {devices!r}: no GPU named")
     if bad:
-        raise UsageError(f"--gpus {gpus}: GPU indexes (0,1) or UUIDs (GPU-...), comma-separated; not {', '.join(bad)}")
+        raise UsageError(f"--devices {devices}: GPU indexes (0,1) or UUIDs (GPU-...), comma-separated; "
+                         f"not {', '.join(bad)}")
     if len(set(ids)) < len(ids):
-        raise UsageError(f"--gpus {gpus}: a GPU named twice")
+        raise UsageError(f"--devices {devices}: a GPU named twice")
     return ids
 
 
-def gpu_pool(gpus: str | None, ignore_busy: bool, th: BusyThresholds = BusyThresholds(), free_checks: int = 3
+def gpu_pool(devices: str | None, ignore_busy: bool, th: BusyThresholds = BusyThresholds(), free_checks: int = 3
              ) -> tuple[GpuPool, list[str]]:
     """The GPUs the queue may use and notes about the busy ones (waiting until free, or used with
     --ignore-busy: with their processes and memory). Busy ones stay in the pool, watched: each is
     used once free in `free_checks` readings in a row. ids None: no GPU, CPU mode."""
-    if not gpus and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+    if not devices and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         return GpuPool(None), []  # GPUs hidden on purpose: the CPU it is
     source = default_source()
     if not source.available():
-        if gpus:  # nothing here to check them against but their form
-            ids = gpu_ids_as_given(gpus)
+        if devices:  # nothing here to check them against but their form
+            ids = gpu_ids_as_given(devices)
             return GpuPool(ids), [f"warning: NVML is not available here: GPUs {','.join(ids)} are taken as given "
                                   "(not checked to exist, not watched for other jobs)"]
         return GpuPool(None), []
     readings = source.read(processes=True)  # the first reading: the watch goes on from it
-    chosen, why = select(readings, gpus, None if gpus else os.environ.get("CUDA_VISIBLE_DEVICES"))
-    if gpus and len(chosen) < len([g for g in gpus.split(",") if g.strip()]):
-        raise UsageError(f"--gpus {gpus}: {why}")
+    chosen, why = select(readings, devices, None if devices else os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if devices and len(chosen) < len([g for g in devices.split(",") if g.strip()]):
+        raise UsageError(f"--devices {devices}: {why}")
     notes = []
     for r in chosen:
         reasons = busy_reasons(r, th)
@@ -172,13 +176,10 @@ def pool_text(pool: GpuPool) -> str:
 
 @click.command()
 @click.argument("queue_file", metavar="FILE", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--gpus", default=None, metavar="0,1,4,7",
+@click.option("--devices", "--gpus", "devices", cls=Renamed, default=None, metavar="0,1,4,7",
               help="The GPUs the queue may use (default: every GPU here; a busy one once it is free).")
 @ignore_busy_option
-@click.option("--busy-memory-pct", type=click.FloatRange(0, 100), default=None, metavar="PCT",
-              help="A GPU with more than this % of its memory used is busy [the lines' resources.busy.memory_pct, 10].")
-@click.option("--busy-util-pct", type=click.FloatRange(0, 100), default=None, metavar="PCT",
-              help="A GPU with more than this % utilization is busy [the lines' resources.busy.util_pct, 10].")
+@busy_options("the lines' resources.busy")
 @click.option("--free-checks", type=click.IntRange(min=1), default=3, show_default=True, metavar="N",
               help="A busy GPU is used once free in N readings in a row (one reading every --poll seconds).")
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.05), default=2.0, show_default=True, metavar="SECONDS",
@@ -186,16 +187,17 @@ def pool_text(pool: GpuPool) -> str:
 @click.option("--retries", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Run a failed job again, resuming its run dir, up to N times.")
 @click.option("--dry-run", is_flag=True, help="Check every line and show the pool; start nothing.")
-def queue(queue_file: Path, gpus: str | None, ignore_busy: bool, busy_memory_pct: float | None,
+def queue(queue_file: Path, devices: str | None, ignore_busy: bool, busy_memory_pct: float | None,
           busy_util_pct: float | None, free_checks: int, poll_s: float, retries: int, dry_run: bool) -> int:
     """Run the jobs of FILE (one `SPEC [--gpus N] [--set K=V]` per line) over free local GPUs."""
     entries = read_entries(queue_file)
-    pool, notes = gpu_pool(gpus, ignore_busy, pool_thresholds(entries, busy_memory_pct, busy_util_pct), free_checks)
+    th = pool_thresholds(entries, busy_memory_pct, busy_util_pct)
+    pool, notes = gpu_pool(devices, ignore_busy, th, free_checks)
     if pool.ids is not None:
-        if not pool.ready():  # waiting for all of them to free up is more likely a wrong --gpus
+        if not pool.ready():  # waiting for all of them to free up is more likely a wrong --devices
             for note in notes:  # why each is busy
                 click.echo(f"queue: {note}", err=True)
-            raise UsageError("no free GPU to run the queue on" + (f" among --gpus {gpus}" if gpus else "")
+            raise UsageError("no free GPU to run the queue on" + (f" among --devices {devices}" if devices else "")
                              + " (--ignore-busy uses busy ones)")
         too_big = [e for e in entries if e.gpus > len(pool.ids)]
         if too_big:

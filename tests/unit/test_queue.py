@@ -169,7 +169,7 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("job.yaml --bogus", "jobs.queue:3: No such option '--bogus'"),
+    ("job.yaml --bogus", "jobs.queue:3: no such option --bogus"),
     ("missing.yaml", "jobs.queue:3: "),
     ("job.yaml --set resources.gpus=three", "jobs.queue:3: "),
     ("job.yaml --gpus 3", "jobs.queue:3: job needs 3 GPUs, the queue has 2 (0,1)"),
@@ -203,7 +203,7 @@ def test_busy_gpus_are_left_out_of_the_pool(tmp_path):
     unknown = run_queue(q, "--dry-run", "--gpus", "3,9", env=env)
     assert unknown.returncode == 2 and "no GPU '9' here" in unknown.stderr, unknown.stderr
     none_free = run_queue(q, "--dry-run", "--gpus", "0,1", env=env)
-    assert none_free.returncode == 2 and "no free GPU to run the queue on among --gpus 0,1" in none_free.stderr
+    assert none_free.returncode == 2 and "no free GPU to run the queue on among --devices 0,1" in none_free.stderr
     assert not (tmp_path / "runs").exists()
 
 
