@@ -36,6 +36,7 @@ from hpcgpu.gpu.estimate import (INFER_BATCH_CAP, INFER_FORMATS, REPLICA_WIDTHS,
 from hpcgpu.gpu.recommend import (Checkpointing, Method, Recommendation, compiled_step, fine_tuning_methods,
                                   lighter_method, method_recommendation, recommend_for_job)
 from hpcgpu.infer_inputs import read_rows
+from hpcgpu.launch.resolve import with_adapter_base
 from hpcgpu.spec import Spec, load_spec
 
 
@@ -129,7 +130,7 @@ def estimate_cmd(spec_file: str, overrides: tuple[str, ...], gpus: int | None, n
     spec's does not. For task: infer, per GPU of a model copy by weight format and gpus_per_replica:
     weights, KV cache, activations; what fits, and the fewest GPUs a copy needs (gpus_per_replica: auto)."""
     # memory needs the model, the batch and data.seq_len, not the training text: no data.train required
-    spec = load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False, defaults=True)
+    spec = with_adapter_base(load_spec(spec_file, overrides, gpus=gpus, nodes=nodes, need_data=False, defaults=True))
     if spec.task not in ("train", "infer"):
         raise HpcgpuError(f"task: estimate is for task: train or infer (this spec is task: {spec.task})")
     if gpu_memory and usable_bytes(parse_size(gpu_memory)) <= 0:  # not above what CUDA itself keeps

@@ -58,8 +58,11 @@ A GPU's usable memory is its total less the CUDA context and allocator slack (US
 """
 from __future__ import annotations
 
+import difflib
+import json
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hpcgpu.errors import HpcgpuError, SpecError
@@ -220,6 +223,23 @@ def with_defaults(cfg: Any) -> Any:
     return cfg
 
 
+# the config key of the MLP's width for families that do not call it intermediate_size (None: bloom's is 4h)
+FFN_KEYS: dict[str, str | None] = {"gpt2": "n_inner", "gptj": "n_inner", "codegen": "n_inner",
+                                   "gpt_bigcode": "n_inner", "opt": "ffn_dim", "bloom": None}
+
+
+def ffn_size(cfg: Any, h: int, mtype: str) -> int:
+    """The MLP's width, read under the family's own key (a key another family uses is ignored, as
+    transformers ignores it); 4h where unset."""
+    key = FFN_KEYS.get(mtype, "intermediate_size")
+    return int((cfg_get(cfg, key) if key else None) or (3072 if mtype == "opt" else 4 * h))  # OPTConfig's default
+
+
+def config_hidden(cfg: Any) -> int:
+    """The model's hidden size (n_embd, hidden_size, d_model)."""
+    return _require(with_defaults(cfg), "hidden_size", "n_embd", "d_model")
+
+
 def _shape(cfg: Any) -> tuple[int, int, int, int, str]:
     cfg = with_defaults(cfg)
     return (_require(cfg, "hidden_size", "n_embd", "d_model"),
@@ -235,14 +255,14 @@ def analytic_params(cfg: Any) -> tuple[int, int, int]:
     cfg = with_defaults(cfg)
     head_dim = int(cfg_get(cfg, "head_dim", default=h // heads) or h // heads)
     kv = int(cfg_get(cfg, "num_key_value_heads", default=heads) or heads)
-    ffn = int(cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h)
+    ffn = ffn_size(cfg, h, mtype)
     bias = mtype in BIASED
     attn = 2 * h * heads * head_dim + 2 * h * kv * head_dim + (heads * head_dim * 2 + 2 * kv * head_dim if bias else 0)
     mlp = (3 if mtype in GATED else 2) * h * ffn + (ffn + h if bias else 0)
     norm = 2 * h if bias else h
     layer = attn + mlp + 2 * norm
     embed = vocab * h
-    tied = cfg_get(cfg, "tie_word_embeddings", default=mtype not in GATED)
+    tied = head_is_tied(cfg)
     positions = int(cfg_get(cfg, "n_positions", "max_position_embeddings", default=0)) * h \
         if mtype in LEARNED_POSITIONS else 0
     return layers * layer + embed * (1 if tied else 2) + positions + norm, layer, embed
@@ -412,7 +432,7 @@ def block_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], bool]:
     cfg = with_defaults(cfg)
     hd = int(cfg_get(cfg, "head_dim", default=h // heads) or h // heads)
     kv = heads if mtype in MHA_ONLY else int(cfg_get(cfg, "num_key_value_heads", default=heads) or heads)
-    ffn = int(cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h)
+    ffn = ffn_size(cfg, h, mtype)
     q, k = heads * hd, kv * hd
     size = {"q": (h, q), "k": (h, k), "v": (h, k), "o": (q, h), "qkv": (h, q + 2 * k), "gate": (h, ffn),
             "up": (h, ffn), "down": (ffn, h), "gate_up": (h, 2 * ffn)}
@@ -424,46 +444,187 @@ def block_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], bool]:
     return [(path, *size[part]) for path, part in (n.split(":") for n in names)], known
 
 
-def linear_layer_names(cfg: Mapping[str, Any]) -> list[str] | None:
-    """The names (last part) of every linear layer of a model of this config, as the job's
-    runtime/lora.linear_names lists them once built, without torch; None where not known for certain: a
-    family outside LINEAR_NAMES, a multimodal config (its other towers have layers of their own)."""
-    mtype = cfg.get("model_type")
+# where each family's decoder blocks sit in the model AutoModelForCausalLM builds (peft's module paths:
+# transformer.h.0.attn.c_attn); the others' are model.layers
+BLOCKS = {"gpt2": "transformer.h", "bloom": "transformer.h", "gptj": "transformer.h", "gpt_neo": "transformer.h",
+          "codegen": "transformer.h", "gpt_neox": "gpt_neox.layers", "opt": "model.decoder.layers"}
+HEAD = "lm_head"  # the output head's path
+# families whose output head is a weight of its own unless the config says tie_word_embeddings (transformers'
+# default for each; the others share the input embedding's weight)
+UNTIED_BY_DEFAULT = {"gpt_neox", "phi", "gptj", "codegen", "llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3",
+                     "olmo", "olmo2", "granite"}
+TARGETS_KEY = "train.lora.target_modules"
+
+
+def head_is_tied(cfg: Any) -> bool:
+    """The output head shares the input embedding's weight (tie_word_embeddings, else the family's default)."""
+    cfg = with_defaults(cfg)
+    return bool(cfg_get(cfg, "tie_word_embeddings",
+                        default=str(cfg_get(cfg, "model_type", default="")) not in UNTIED_BY_DEFAULT))
+
+
+@dataclass(frozen=True)
+class LinearLayers:
+    """A model's layers LoRA can adapt (nn.Linear, GPT-2's Conv1D) as peft finds them: module path ->
+    (fan in, fan out), and whether its head is tied to the input embedding. The host reads them from the
+    config (linear_layers), the job from the built model (runtime/lora.py model_layers): both then ask
+    target_modules_problem and adapter_shape_problem, so they decide alike."""
+    model_type: str
+    hidden: int
+    paths: dict[str, tuple[int, int]]
+    tied_head: bool
+
+
+def linear_layers(cfg: Any) -> LinearLayers | None:
+    """Every linear layer of a model of this config with its full path and size, as the job's model has
+    them, without torch; None where not known for certain: a family outside LINEAR_NAMES, a multimodal
+    config (its other towers have layers of their own), a folder's own modelling code (auto_map)."""
+    mtype = cfg_get(cfg, "model_type")
     # gpt_neox's head is embed_out before transformers 5 and lm_head since: not certain here
-    # auto_map: the folder's own modelling code (trust_remote_code), whose layers may be named otherwise
-    if (not isinstance(mtype, str) or mtype not in LINEAR_NAMES or mtype == "gpt_neox" or "text_config" in cfg
-            or "auto_map" in cfg):
+    if (not isinstance(mtype, str) or mtype not in LINEAR_NAMES or mtype == "gpt_neox"
+            or cfg_get(cfg, "text_config") is not None or cfg_get(cfg, "auto_map") is not None):
         return None
-    names = {n.split(":")[0].rsplit(".", 1)[-1] for n in LINEAR_NAMES[mtype]} | {"lm_head"}
+    h, layers, _, vocab, _ = _shape(cfg)
+    block, _ = block_linears(cfg)
+    prefix = BLOCKS.get(mtype, "model.layers")
+    paths = {f"{prefix}.{i}.{rel}": (fan_in, fan_out) for i in range(layers) for rel, fan_in, fan_out in block}
+    head_in = h
     # layers a config option adds: GPT-2's cross-attention, OPT's projections around a narrower embedding
-    if mtype == "gpt2" and cfg.get("add_cross_attention"):
-        names.add("q_attn")
-    if mtype == "opt" and cfg.get("word_embed_proj_dim") not in (None, cfg.get("hidden_size", 768)):
-        names |= {"project_in", "project_out"}
-    return sorted(names)
+    if mtype == "gpt2" and cfg_get(cfg, "add_cross_attention"):
+        paths.update({f"{prefix}.{i}.crossattention.{name}": size for i in range(layers)
+                      for name, size in (("c_attn", (h, 2 * h)), ("q_attn", (h, h)), ("c_proj", (h, h)))})
+    proj = cfg_get(cfg, "word_embed_proj_dim")
+    if mtype == "opt" and proj not in (None, h):
+        paths.update({"model.decoder.project_in": (proj, h), "model.decoder.project_out": (h, proj)})
+        head_in = proj
+    paths[HEAD] = (head_in, vocab)
+    return LinearLayers(mtype, h, paths, head_is_tied(cfg))
 
 
-def unknown_targets_problem(targets: list[str], names: list[str], model_type: str,
-                            paths: list[str] | None = None) -> str | None:
-    """The one line refusing target_modules that name no linear layer (`names`, the last parts of their
-    paths): the job's (runtime/lora.check_targets) and the host's (launch/checks.py), one text. A dotted
-    name (`attn.c_attn`, which peft takes as a path's ending) is checked against the layers' `paths`
-    where the job has them, by its last part on the host."""
-    def known(target: str) -> bool:
-        if "." in target and paths is not None:
-            return any(_matches(path, target) for path in paths)
-        return target.rsplit(".", 1)[-1] in names
-
-    unknown = [t for t in targets if not known(t)]
-    if not unknown:
+def target_modules_problem(targets: list[str], layers: LinearLayers | None,
+                           fused_loss: bool = False) -> str | None:
+    """The one decision on a train.lora.target_modules list, the host's (launch/checks.py, from the config)
+    and the job's (runtime/lora.py check_targets, from the built model), one line: each name must match a
+    linear layer by peft's rule (target_matches) and nothing else; the output head not where it is tied to
+    the input embedding, nor under train.fused_loss. layers None (a model the host cannot read): only
+    what the names alone tell."""
+    if fused_loss and any(target_matches(HEAD, t) for t in targets):
+        return (f"{TARGETS_KEY}: names {HEAD}, whose forward train.fused_loss skips (its adapter would not train); "
+                f"drop {HEAD} or set train.fused_loss: false")
+    if layers is None:
         return None
-    return (f"train.lora.target_modules: {', '.join(unknown)} is not a linear layer of this {model_type} model; "
-            f"its linear layers: {', '.join(names) or 'none'}")
+    for target in targets:
+        problem = _target_problem(target, layers)
+        if problem:
+            return f"{TARGETS_KEY}: {problem}"
+    return None
 
 
-def _matches(path: str, target: str) -> bool:
-    """peft's rule for a name in target_modules: the layer's path is the name or ends with '.name'."""
+def _target_problem(target: str, layers: LinearLayers) -> str | None:
+    """Why one name in target_modules adapts nothing, or nothing it should (module paths: LinearLayers)."""
+    paths = list(layers.paths)
+    model = f"this {layers.model_type} model"
+    if layers.tied_head and target_matches(HEAD, target):
+        return (f"{target} is {model}'s output head, whose weight is its input embedding's (tied): an adapter "
+                f"there would change both; drop {target} (auto adapts every linear layer of the blocks)")
+    if any(target_matches(path, target) for path in paths):
+        return None
+    modules = {path.rsplit(".", n)[0] for path in paths for n in range(1, path.count(".") + 1)}
+    held = [m for m in sorted(modules) if target_matches(m, target)]
+    if held:
+        inside = sorted({p.rsplit(".", 1)[-1] for p in paths if any(p.startswith(m + ".") for m in held)})
+        return f"{target} is not a linear layer of {model} but a module holding {', '.join(inside)}: name those"
+    names = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    return f"{target} is not a linear layer of {model}{_did_you_mean(target, paths)}; its linear layers: " \
+           f"{', '.join(names)}"
+
+
+def _did_you_mean(target: str, paths: list[str]) -> str:
+    """A close name: a dotted name's layer under another module (attn.c_fc -> mlp.c_fc), else a near
+    spelling of a layer's name or path inside its block (c_atn -> c_attn)."""
+    inside = sorted({_in_block(p) for p in paths})
+    leaf = target.rsplit(".", 1)[-1]
+    same_leaf = [p for p in inside if p.rsplit(".", 1)[-1] == leaf]
+    close = same_leaf or difflib.get_close_matches(
+        target, sorted({p.rsplit(".", 1)[-1] for p in paths} | set(inside)), n=1, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def _in_block(path: str) -> str:
+    """A layer's path inside its block (transformer.h.3.attn.c_attn -> attn.c_attn); the path outside one."""
+    parts = path.split(".")
+    index = max((i for i, part in enumerate(parts) if part.isdigit()), default=-1)
+    return ".".join(parts[index + 1:])
+
+
+def target_matches(path: str, target: str) -> bool:
+    """peft's rule for a name in a target_modules list: the module's path is the name or ends with '.name'."""
     return path == target or path.endswith("." + target)
+
+
+# ---- a trained adapter folder (model.adapter), read without torch: its adapter_config.json and the
+# shapes in adapter_model.safetensors' header (JSON after an 8-byte little-endian length)
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class Adapter:
+    folder: str
+    base: str | None  # base_model_name_or_path: what it was trained on
+    shapes: dict[str, tuple[int, int]]  # adapted layer path -> (fan in, fan out): lora_A is r x in, lora_B out x r
+
+
+def read_adapter(folder: str) -> Adapter | None:
+    """The adapter folder peft wrote (None without a readable adapter_config.json); no shapes where its
+    weights are not a safetensors file."""
+    path = Path(folder).expanduser()
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return Adapter(folder, base if isinstance(base, str) and base else None, adapter_shapes(path / ADAPTER_WEIGHTS))
+
+
+def not_an_adapter(folder: str) -> str:
+    """model.adapter naming a folder without adapter_config.json (read_adapter None), host and job."""
+    return (f"model.adapter: {folder} holds no adapter_config.json (not an adapter folder: a train run's model/ "
+            "with train.lora is one)")
+
+
+def adapter_shapes(path: Path) -> dict[str, tuple[int, int]]:
+    """layer path -> (fan in, fan out) of each layer with an adapter, from peft's keys
+    (base_model.model.<path>.lora_A.weight, r x in; ...lora_B.weight, out x r)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if 0 < size <= MAX_HEADER_BYTES else {}
+    except (OSError, ValueError):
+        return {}
+    halves: dict[str, dict[str, list[int]]] = {"A": {}, "B": {}}
+    for key, info in header.items() if isinstance(header, dict) else ():
+        found = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
+        if found and isinstance(info, dict) and len(info.get("shape") or ()) == 2:
+            halves[found[2]][found[1]] = info["shape"]
+    a, b = halves["A"], halves["B"]
+    return {layer: (a[layer][1], b[layer][0]) for layer in a if layer in b}
+
+
+def adapter_shape_problem(adapter: Adapter, layers: LinearLayers, base: str) -> str | None:
+    """The one line refusing an adapter on a base without the layers it was trained on, in those shapes:
+    the host's (launch/checks.py, the base's config) and the job's (runtime/lora.py load_adapter, the
+    loaded base); None where every adapted layer is there, the same size."""
+    for path, (fan_in, fan_out) in sorted(adapter.shapes.items()):
+        here = layers.paths.get(path)
+        if here == (fan_in, fan_out):
+            continue
+        has = f"{path} {here[0]} -> {here[1]}" if here else f"no {path}"
+        return (f"model.adapter: {adapter.folder} was trained on {adapter.base or 'another base'} ({path} "
+                f"{fan_in} -> {fan_out}), not on this base {base} ({layers.model_type}, hidden size "
+                f"{layers.hidden}, has {has}); give model.name_or_path the base it was trained on")
+    return None
 
 
 def lora_dims(cfg: Any, r: int = 16, target_modules: Any = "auto", dropout: float = 0.05,
@@ -474,22 +635,25 @@ def lora_dims(cfg: Any, r: int = 16, target_modules: Any = "auto", dropout: floa
         raise ValueError(f"lora_dims: base {base!r} is not one of {', '.join(LORA_BASES)}")
     h, layers, _, vocab, mtype = _shape(cfg)
     linears, known = block_linears(cfg)
-    head = ("lm_head", h, vocab)
+    prefix = BLOCKS.get(mtype, "model.layers")
     if target_modules in ("auto", AUTO_TARGETS, None):
-        adapted, head_adapted = linears, False
+        adapted, hits, head_adapted = linears, linears * layers, False
     else:
         targets = [str(t) for t in target_modules]
-        adapted = [x for x in linears if any(_matches(x[0], t) for t in targets)]
-        head_adapted = any(_matches(head[0], t) for t in targets)
-        if not adapted and not head_adapted:
-            names = sorted({x[0].rsplit(".", 1)[-1] for x in linears} | {"lm_head"})
-            if known:
-                raise SpecError("train.lora.target_modules", f"{', '.join(targets)} names no linear layer of a "
-                                f"{mtype} model; its linear layers: {', '.join(names)}")
-            adapted, known = linears, False  # names of a family not known here: every linear layer, approximately
-    per_layer = sum(r * (fi + fo) for _, fi, fo in adapted)
+        known_layers = linear_layers(cfg)
+        problem = target_modules_problem(targets, known_layers) if known_layers else None
+        if problem:
+            raise SpecError(TARGETS_KEY, problem.removeprefix(f"{TARGETS_KEY}: "))
+        # every block's layers the names match: a dotted name may reach into some blocks only (h.0.attn.c_attn)
+        hits = [(rel, fi, fo) for i in range(layers) for rel, fi, fo in linears
+                if any(target_matches(f"{prefix}.{i}.{rel}", t) for t in targets)]
+        adapted = [x for x in linears if x in hits]
+        head_adapted = any(target_matches(HEAD, t) for t in targets)
+        if not adapted and not head_adapted:  # names of a family not known here: every linear layer, approximately
+            adapted, hits, known = linears, linears * layers, False
     return LoraDims(
-        base=base, r=r, adapter_params=layers * per_layer + (r * (h + vocab) if head_adapted else 0),
+        base=base, r=r,
+        adapter_params=sum(r * (fi + fo) for _, fi, fo in hits) + (r * (h + vocab) if head_adapted else 0),
         adapted_inputs=sum(fi for _, fi, _ in adapted), head_inputs=h if head_adapted else 0,
         linear_params=layers * sum(fi * fo for _, fi, fo in linears),
         linear_rows=layers * sum(fo for _, _, fo in linears), linear_inputs=sum(fi for _, fi, _ in linears),
@@ -718,12 +882,12 @@ class InferEstimate:
 def infer_dims(cfg: Any, n_params: int | None = None) -> InferDims:
     """The shape inference memory depends on, from a transformers config (object or mapping): the one
     reader for `hpcgpu estimate` and the job."""
-    h, layers, heads, vocab, _ = _shape(cfg)
+    h, layers, heads, vocab, mtype = _shape(cfg)
     cfg = with_defaults(cfg)
     total, _, embed = analytic_params(cfg)
     head_dim = int(cfg_get(cfg, "head_dim", default=h // heads) or h // heads)
     kv_heads = int(cfg_get(cfg, "num_key_value_heads", default=heads) or heads)
-    ffn = int(cfg_get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h) or 4 * h)
+    ffn = ffn_size(cfg, h, mtype)
     context = cfg_get(cfg, "n_positions", "max_position_embeddings")
     attn_impl = cfg_get(cfg, "_attn_implementation", "attn_implementation", default="sdpa")
     return InferDims(n_params=int(n_params or total), n_layers=layers, hidden=h, heads=heads,

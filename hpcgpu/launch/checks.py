@@ -18,9 +18,14 @@ One place, run by the host's resolve step (hpcgpu/launch/resolve.py) for `hpcgpu
   have the fields the format needs (the job's own row reader, hpcgpu/data/sources.py: file:line), chat
   has a tokenizer with a chat template (a local model folder's; a hub id's is not looked at), and a
   prepared folder was prepared with the spec's data.format (its manifest; also checked for text);
-- task: train with a train.lora.target_modules list: every name is a linear layer of the model, where its
-  config (model.config, a local folder's config.json) is of a family whose layer names are known
-  (gpu/estimate.py linear_layer_names); the job's own line (runtime/lora.py check_targets);
+- task: train with a train.lora.target_modules list: every name matches a linear layer of the model by
+  peft's rule (a layer's path or its end) and nothing else (not a module holding layers), with a did you
+  mean; not lm_head where the head is tied to the input embedding or under train.fused_loss; where the config
+  (model.config, a local folder's config.json) is of a family whose layers are known (gpu/estimate.py
+  linear_layers), the job's own line (runtime/lora.py check_targets, gpu/estimate.py target_modules_problem);
+- task: infer with model.adapter: its adapter_config.json is there, names its base where model.name_or_path
+  is absent (launch/resolve.py takes the base from it), and the base's layers have the shapes of the
+  adapter's (adapter_model.safetensors' header), the job's own line (gpu/estimate.py adapter_shape_problem);
 - model.config.model_type is a model type the installed transformers knows. The list comes from
   transformers' config mapping, asked in a subprocess (it imports torch) and cached on disk per
   transformers version, so these commands never import transformers or torch themselves; without
@@ -48,7 +53,8 @@ from urllib.parse import urlparse
 
 from hpcgpu.contract import launcher_owned
 from hpcgpu.errors import HpcgpuError, SpecError
-from hpcgpu.gpu.estimate import linear_layer_names, parse_max_memory, unknown_targets_problem
+from hpcgpu.gpu.estimate import (adapter_shape_problem, linear_layers, not_an_adapter, parse_max_memory,
+                                 read_adapter, target_modules_problem)
 from hpcgpu.gpu.model_types import model_type_problem
 from hpcgpu.infer_inputs import Row, read_rows, rows_fit_problem
 from hpcgpu.launch.container import image_is_path, input_paths
@@ -653,29 +659,50 @@ def _config_attention(spec: Spec, _: Here) -> str | None:
     return None if spec.model.name_or_path else attention_problem(spec)
 
 
-def adapter_problem(spec: Spec) -> str | None:
-    """model.adapter: a folder peft wrote (a train run's model/ with train.lora)."""
+def adapter_base(folder: str) -> str | None:
+    """The base model.adapter was trained on, as its adapter_config.json names it (base_model_name_or_path):
+    a hub id, or a folder here (made absolute); None where it names none, or a folder that is not here."""
+    adapter = read_adapter(folder)
+    base = adapter.base if adapter else None
+    if base is None or not is_local_path(base, Path.cwd()):
+        return base
+    path = Path(base).expanduser()
+    return str(path.resolve()) if path.is_dir() else None
+
+
+def adapter_problem(spec: Spec, pending: tuple[str, ...] = ()) -> str | None:
+    """model.adapter: a folder peft wrote (a train run's model/ with train.lora), on a base (model.name_or_path,
+    else the one its adapter_config.json names: launch/resolve.py filled it in) whose layers have the shapes
+    the adapter was trained on, where the base's config is here (the job's own line: runtime/lora.py
+    load_adapter). pending: run dirs of jobs still to run (an adapter one of them writes is not there yet)."""
     if not spec.model.adapter:
         return None
-    folder = Path(spec.model.adapter).expanduser()
-    if not (folder / "adapter_config.json").is_file():
-        return (f"model.adapter: {spec.model.adapter} holds no adapter_config.json (not an adapter folder: a train "
-                "run's model/ with train.lora is one)")
-    return None
+    if not spec.model.name_or_path and any(root in spec.model.adapter for root in pending):
+        return ("model.adapter: an earlier job (--after) writes it, so there is no adapter_config.json yet to name "
+                "its base: give model.name_or_path, the base")
+    adapter = read_adapter(spec.model.adapter)
+    if adapter is None:
+        return not_an_adapter(spec.model.adapter)
+    if not spec.model.name_or_path:
+        named = f"names its base {adapter.base}, which is not here" if adapter.base else "names no base model"
+        return (f"model.adapter: {spec.model.adapter}'s adapter_config.json {named} (base_model_name_or_path); "
+                "give model.name_or_path, the base it was trained on")
+    found = model_config_of(spec)
+    layers = linear_layers(found[2]) if found and not found[1] else None
+    return adapter_shape_problem(adapter, layers, spec.model.name_or_path) if layers else None
 
 
 def lora_targets_problem(spec: Spec) -> str | None:
-    """train.lora.target_modules naming a layer the model does not have: the job's own line (runtime/lora.py
-    check_targets), here where the config tells the layer names for certain (a family LINEAR_NAMES knows, from
-    model.config or a local folder's config.json); a hub id or another family is left to the job."""
+    """train.lora.target_modules naming what is not a linear layer of the model: the job's own line
+    (runtime/lora.py check_targets), here where the config tells the layers for certain (a family
+    LINEAR_NAMES knows, from model.config or a local folder's config.json); for a hub id or another
+    family only what the names alone tell (lm_head under train.fused_loss), the rest left to the job."""
     lora = spec.train.lora if spec.task == "train" else None
     if lora is None or not isinstance(lora.target_modules, list):
         return None
     found = model_config_of(spec)
-    if found is None or found[1]:  # no config here, or a multimodal model's text part
-        return None
-    names = linear_layer_names(found[2])
-    return unknown_targets_problem(lora.target_modules, names, found[2]["model_type"]) if names else None
+    layers = linear_layers(found[2]) if found and not found[1] else None  # not a multimodal model's text part
+    return target_modules_problem(lora.target_modules, layers, spec.train.fused_loss)
 
 
 def _infer(check: Callable[[Spec], str | None]) -> Problem:
@@ -695,7 +722,8 @@ SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("model.name_or_path", _folder_attention, _model),
     HostCheck("model.config", _config_attention, _model),
     HostCheck("train.lora.target_modules", lambda spec, _: lora_targets_problem(spec),
-              lambda spec: repr((spec.task, spec.model.name_or_path, spec.model.config, spec.train.lora))),
+              lambda spec: repr((spec.task, spec.model.name_or_path, spec.model.config, spec.train.lora,
+                                 spec.train.fused_loss))),
     HostCheck("track.tensorboard", lambda spec, _: tensorboard_package_problem(spec)),
     HostCheck("track.wandb", lambda spec, _: wandb_package_problem(spec)),
     HostCheck("data.format", lambda spec, _: prepared_formats_problem(spec), _data),
@@ -703,7 +731,7 @@ SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("data.eval", lambda spec, _: data_rows_problem(spec, "data.eval"), _data),
     HostCheck("data.format", lambda spec, _: chat_data_problem(spec), _data),
     HostCheck("model.name_or_path", _infer(infer_model_problem), lambda spec: (spec.task, spec.model.name_or_path)),
-    HostCheck("model.adapter", lambda spec, _: adapter_problem(spec)),
+    HostCheck("model.adapter", lambda spec, here: adapter_problem(spec, here.pending)),
     HostCheck("infer.max_memory", _infer(max_memory_problem), lambda spec: (spec.task, spec.infer.max_memory)),
     HostCheck("infer.input", _infer(infer_input_problem), lambda spec: (spec.task, spec.infer.mode, spec.infer.input)),
     HostCheck("infer.max_new_tokens", lambda spec, _: positions_problem(spec)),

@@ -2,7 +2,8 @@
 
 `hpcgpu validate`, `hpcgpu sbatch`, `hpcgpu submit` (SLURM and local) and `hpcgpu queue` all read a
 spec through `read_resolved`, so the spec a job runs is the same whichever command made it:
-    load_spec (defaults files, YAML, --set, --gpus/--nodes)  ->  with_sweep (--sweep flags)  ->  sweep_tasks
+    load_spec (defaults files, YAML, --set, --gpus/--nodes)  ->  with_sweep (--sweep flags)
+    ->  with_adapter_base (model.adapter alone: the base its adapter_config.json names)  ->  sweep_tasks
     ->  check_host (every task: what the job would fail on, found here; errors name their key)
     ->  resolve_gpus_per_replica (infer.gpus_per_replica: auto becomes a number, written to spec.yaml)
 What differs between the commands is only how the job will run (`Use`): the local executor or SLURM,
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcgpu.launch.chain import Upstream, pending_roots, with_after
-from hpcgpu.launch.checks import check_host
+from hpcgpu.launch.checks import adapter_base, check_host
 from hpcgpu.launch.replicas import resolve_gpus_per_replica
 from hpcgpu.launch.sweep import SweepTask, sweep_tasks, with_sweep
 from hpcgpu.spec import Spec, load_spec
@@ -72,6 +73,7 @@ def read_resolved(spec_file: str, overrides: tuple[str, ...] = (), gpus: int | N
 def resolve(spec: Spec, use: Use = VALIDATE, say: Say | None = None, pending: tuple[str, ...] = ()) -> Resolved:
     """Check a spec here (every sweep task) and decide what it leaves to the host (gpus_per_replica).
     pending: run dirs of jobs still to run, whose outputs the checks do not look for yet."""
+    spec = with_adapter_base(spec)
     check_host([task.spec for task in sweep_tasks(spec)] or [spec], passthrough=use.passthrough,
                slurm=not use.local, warn=say, when=use.when, pending=pending)
     spec = resolve_gpus_per_replica(spec, local=use.local, say=say if use.explain else None)
@@ -79,3 +81,13 @@ def resolve(spec: Spec, use: Use = VALIDATE, say: Say | None = None, pending: tu
     tasks = [dataclasses.replace(task, spec=resolve_gpus_per_replica(task.spec, local=use.local))
              for task in sweep_tasks(spec)]
     return Resolved(spec, tasks)
+
+
+def with_adapter_base(spec: Spec) -> Spec:
+    """model.adapter without model.name_or_path: the base its adapter_config.json names, decided here once,
+    so that the run's spec.yaml names it and the job loads what was checked (the check names a base it
+    cannot find: checks.py adapter_problem)."""
+    if not spec.model.adapter or spec.model.name_or_path or spec.model.config is not None:
+        return spec
+    base = adapter_base(spec.model.adapter)
+    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, name_or_path=base)) if base else spec

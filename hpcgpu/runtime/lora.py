@@ -12,7 +12,8 @@ import torch
 
 from hpcgpu.contract import folder_written_whole
 from hpcgpu.errors import HpcgpuError
-from hpcgpu.gpu.estimate import unknown_targets_problem
+from hpcgpu.gpu.estimate import (LinearLayers, adapter_shape_problem, config_hidden, not_an_adapter, read_adapter,
+                                 target_modules_problem)
 from hpcgpu.spec import Spec
 from hpcgpu.spec.schema import Lora
 
@@ -21,7 +22,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 EDGE_BYTES = 1 << 20  # a weights file is known by its size and its first and last MiB, not read whole
 
 
-def add_adapters(model: Any, lora: Lora) -> Any:
+def add_adapters(model: Any, lora: Lora, fused_loss: bool = False) -> Any:
     """The model with LoRA adapters on lora.target_modules (peft's PeftModel); only they train."""
     from peft import LoraConfig, get_peft_model
 
@@ -29,7 +30,7 @@ def add_adapters(model: Any, lora: Lora) -> Any:
 
     targets: Any = AUTO_TARGETS if lora.target_modules == "auto" else list(lora.target_modules)
     if targets != AUTO_TARGETS:
-        check_targets(model, targets)
+        check_targets(model, targets, fused_loss)
     # GPT-2's Conv1D stores its weight transposed: peft sets this itself for such layers, with a warning
     transposed = any(isinstance(m, Conv1D) for m in model.modules())
     config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
@@ -39,23 +40,28 @@ def add_adapters(model: Any, lora: Lora) -> Any:
         return get_peft_model(model, config)
 
 
-def linear_paths(model: torch.nn.Module) -> list[str]:
-    """The paths of the layers LoRA can adapt: nn.Linear and GPT-2's Conv1D."""
+def model_layers(model: torch.nn.Module) -> LinearLayers:
+    """The layers LoRA can adapt (nn.Linear, GPT-2's Conv1D, whose weight is fan in x fan out) by path, as
+    peft finds them, and whether the head is the input embedding's weight: what the host reads from the
+    config (gpu/estimate.py linear_layers)."""
     from transformers.pytorch_utils import Conv1D
 
-    return [name for name, module in model.named_modules() if name and isinstance(module, (torch.nn.Linear, Conv1D))]
+    paths: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Conv1D):
+            paths[name] = (module.weight.shape[0], module.weight.shape[1])
+        elif isinstance(module, torch.nn.Linear) and name:
+            paths[name] = (module.in_features, module.out_features)
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
+    config = model.config.get_text_config()
+    return LinearLayers(config.model_type, config_hidden(config), paths, tied)
 
 
-def linear_names(model: torch.nn.Module) -> list[str]:
-    """The names (last part) of the layers LoRA can adapt."""
-    return sorted({name.rsplit(".", 1)[-1] for name in linear_paths(model)})
-
-
-def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+def check_targets(model: torch.nn.Module, targets: list[str], fused_loss: bool = False) -> None:
     """The job's check of target_modules, for what the host could not read first (a hub id's model, a
     family outside LINEAR_NAMES): launch/checks.py refuses the same names in the same line."""
-    kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    problem = unknown_targets_problem(targets, linear_names(model), kind, linear_paths(model))
+    problem = target_modules_problem(targets, model_layers(model), fused_loss)
     if problem:
         raise HpcgpuError(problem)
 
@@ -105,14 +111,19 @@ def adapter_settings(spec: Spec) -> dict[str, Any] | None:
             "quantization": spec.model.quantization, "base": base_identity(spec)}
 
 
-def load_adapter(base: Any, adapter: str, merge: bool) -> Any:
-    """A trained adapter folder on its base (task: infer's model.adapter): merged into the weights where
-    `merge` (unquantized bases), else peft's model running the adapters beside the frozen base."""
+def load_adapter(base: Any, adapter: str, merge: bool, base_name: str) -> Any:
+    """A trained adapter folder on its base (task: infer's model.adapter; base_name: model.name_or_path):
+    merged into the weights where `merge` (unquantized bases), else peft's model running the adapters
+    beside the frozen base. An adapter trained on a base of other shapes is refused first, in the host's
+    line (launch/checks.py adapter_problem)."""
     from peft import PeftModel
 
-    if not (Path(adapter) / "adapter_config.json").is_file():
-        raise HpcgpuError(f"model.adapter: {adapter} holds no adapter_config.json (a train run's model/ with "
-                          "train.lora writes one)")
+    found = read_adapter(adapter)
+    if found is None:
+        raise HpcgpuError(not_an_adapter(adapter))
+    problem = adapter_shape_problem(found, model_layers(base), base_name)
+    if problem:
+        raise HpcgpuError(problem)
     model = PeftModel.from_pretrained(base, adapter)
     return model.merge_and_unload() if merge else model
 
@@ -125,7 +136,7 @@ def write_merged(spec: Spec, peft_model: Any, adapter_dir: Path, out: Path, toke
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(spec.model.name_or_path, dtype="auto")
-        merged = load_adapter(base, str(adapter_dir), merge=True)
+        merged = load_adapter(base, str(adapter_dir), merge=True, base_name=spec.model.name_or_path)
     else:
         merged = peft_model.merge_and_unload()
     with folder_written_whole(out) as tmp:

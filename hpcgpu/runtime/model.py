@@ -121,12 +121,16 @@ def load_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap
     offload) with int8/int4 weights where model.quantization says so. The replica's GPUs are all
     this process sees (runtime/env.py bind_gpu_group). cap: infer.max_memory, read. With
     model.adapter: the trained LoRA adapter on that base, merged into unquantized weights."""
+    if spec.model.adapter and not spec.model.name_or_path:  # the host names the base; the job never guesses it
+        raise HpcgpuError("model.adapter: the spec names no base (model.name_or_path); hpcgpu submit, sbatch and "
+                          "queue write the one its adapter_config.json names into the run's spec.yaml")
     model = load_base_for_inference(spec, device, dtype, cap)
     if not spec.model.adapter:
         return model
     from hpcgpu.runtime.lora import load_adapter
 
-    return load_adapter(model, spec.model.adapter, merge=spec.model.quantization == "none").eval()
+    return load_adapter(model, spec.model.adapter, merge=spec.model.quantization == "none",
+                        base_name=str(spec.model.name_or_path)).eval()
 
 
 def load_base_for_inference(spec: Spec, device: torch.device, dtype: torch.dtype, cap: MaxMemory) -> torch.nn.Module:

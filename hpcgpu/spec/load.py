@@ -403,7 +403,6 @@ def check_spec(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
     _check_batch(spec, lines)
     _check_train_keys(spec, lines)
     _check_fsdp(spec, lines)
-    _check_fused_lora(spec, lines)
 
 
 def _check_task_needs(spec: Spec, lines: LineMap, *, need_data: bool) -> None:
@@ -462,14 +461,16 @@ def _check_slurm_extra(spec: Spec, lines: LineMap) -> None:
 
 
 def _check_infer(spec: Spec, lines: LineMap, *, need_data: bool = True) -> None:
-    if not (spec.model.name_or_path or spec.model.config):
-        raise lines.error("model", "task: infer needs model.name_or_path (a local model dir) or model.config")
-    if spec.model.adapter and not spec.model.name_or_path:
-        raise lines.error("model.adapter", "an adapter goes on its base: give model.name_or_path, the base it "
-                          "was trained on")
+    if not (spec.model.name_or_path or spec.model.config or spec.model.adapter):
+        raise lines.error("model", "task: infer needs model.name_or_path (a local model dir), model.config or "
+                          "model.adapter")
+    if spec.model.adapter and spec.model.config is not None and not spec.model.name_or_path:
+        raise lines.error("model.adapter", "goes on the saved base it was trained on, not on model.config: drop "
+                          "model.config (the base is then the one its adapter_config.json names) or give "
+                          "model.name_or_path")
     if need_data and not spec.infer.input:
         raise lines.error("infer.input", "task: infer needs an input file (.jsonl or .txt)")
-    if spec.model.quantization != "none" and not spec.model.name_or_path:
+    if spec.model.quantization != "none" and not (spec.model.name_or_path or spec.model.adapter):
         raise lines.error("model.quantization", "int8/int4 weights are quantized as a saved model loads: give "
                           "model.name_or_path (a folder save_pretrained wrote), or use quantization: none")
     if "" in spec.infer.stop:  # "" is found at the start of every completion: each would come back empty
@@ -507,8 +508,8 @@ def _check_train_keys(spec: Spec, lines: LineMap) -> None:
                           "(a folder save_pretrained wrote), or use quantization: none")
     if t.merge and t.lora is None:
         raise lines.error("train.merge", "merges LoRA adapters into the base: it needs train.lora")
-    if t.lora is not None and isinstance(t.lora.target_modules, list) and not t.lora.target_modules:
-        raise lines.error("train.lora.target_modules", "an empty list adapts nothing: name layers, or use auto")
+    if t.lora is not None and isinstance(t.lora.target_modules, list):
+        _check_target_names(t.lora.target_modules, lines)
     if t.max_steps is not None and t.epochs is not None:
         raise lines.error("train.epochs", f"give train.max_steps ({t.max_steps}) or train.epochs ({t.epochs}), "
                           "not both")
@@ -518,6 +519,19 @@ def _check_train_keys(spec: Spec, lines: LineMap) -> None:
         raise lines.error("train.early_stopping", "needs data.eval: the eval loss it watches comes from it")
     if not t.eval_every:
         raise lines.error("train.early_stopping", "needs train.eval_every (evals during training, e.g. 100)")
+
+
+def _check_target_names(names: list[str], lines: LineMap) -> None:
+    """train.lora.target_modules names layers as peft reads a list: a layer's name or the end of its path.
+    peft reads a string as a regular expression instead; here a string is the one name (schema.Lora)."""
+    key = "train.lora.target_modules"
+    if not names:
+        raise lines.error(key, "an empty list adapts nothing: name layers, or use auto")
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
+            raise lines.error(key, f"{name!r} is not a layer name or dotted path (c_attn, attn.c_attn): layers are "
+                              "named, not matched by a regular expression; list the names, or use auto for every "
+                              "linear layer")
 
 
 def _check_fsdp(spec: Spec, lines: LineMap) -> None:
@@ -537,17 +551,6 @@ def _check_fsdp(spec: Spec, lines: LineMap) -> None:
         raise lines.error("train.compile_mode", f"{t.compile_mode} captures CUDA graphs, which the collectives "
                           "distributed.strategy: fsdp runs between blocks break; use default or "
                           "max-autotune-no-cudagraphs")
-
-
-def _check_fused_lora(spec: Spec, lines: LineMap) -> None:
-    """train.fused_loss computes the loss from the output layer's own weight, skipping its forward: an
-    adapter on that layer would never train."""
-    lora = spec.train.lora
-    if not spec.train.fused_loss or lora is None or not isinstance(lora.target_modules, list):
-        return
-    if any(str(name).split(".")[-1] == "lm_head" for name in lora.target_modules):
-        raise lines.error("train.lora.target_modules", "names lm_head, whose forward train.fused_loss skips (its "
-                          "adapter would not train); drop lm_head or set train.fused_loss: false")
 
 
 def _check_sweep(spec: Spec, lines: LineMap) -> None:

@@ -199,7 +199,10 @@ class Model:
         "4 or 8 bits, the adapters in the compute dtype)"))
     adapter: Optional[str] = field(default=None, metadata=meta(
         "task: infer: a LoRA adapter folder (a train run's model/ with train.lora) on top of "
-        "model.name_or_path, its base; merged into the weights at load unless they are quantized"))
+        "model.name_or_path, its base (without it: the base its adapter_config.json names, written into the "
+        "run's spec.yaml); merged into the weights at load unless they are quantized. A base whose layers "
+        "are not the shapes the adapter was trained on is refused in one line, before the job where the "
+        "base's config is here"))
 
 
 @dataclass(frozen=True)
@@ -245,9 +248,18 @@ class Lora:
     alpha: float = field(default=32.0, metadata=meta(
         "scale of the adapter's update: alpha / r times B A", min=0))
     dropout: float = field(default=0.05, metadata=meta("dropout on the adapter's input", min=0, max=1))
-    target_modules: Union[Literal["auto"], list[str]] = field(default="auto", metadata=meta(
-        "the linear layers that get adapters, by name (q_proj, v_proj, c_attn, ...); auto: every linear "
-        "layer of the attention and MLP blocks (peft's all-linear: not the output head)"))
+    target_modules: Union[Literal["auto"], list[str], str] = field(default="auto", metadata=meta(
+        "the linear layers that get adapters, by name (q_proj, v_proj, c_attn, ...) or the end of their path "
+        "(attn.c_attn), matched as peft matches a list; one name may be written alone (c_attn); auto: every "
+        "linear layer of the attention and MLP blocks (peft's all-linear: not the output head). A name that "
+        "matches no linear layer, or a module holding some, is refused (before the job where the model's "
+        "config is here), as is lm_head where the head is tied to the input embedding (GPT-2)"))
+
+    def __post_init__(self) -> None:
+        # one name written alone is the one-element list the job runs (peft would read a string as a
+        # regular expression over full paths, which a plain name like c_attn never matches)
+        if isinstance(self.target_modules, str) and self.target_modules != "auto":
+            object.__setattr__(self, "target_modules", [self.target_modules])
 
 
 @dataclass(frozen=True)

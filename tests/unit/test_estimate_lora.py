@@ -62,9 +62,12 @@ def test_all_linear_adapters_are_peft_s_count(cfg, r):
 
 
 @pytest.mark.parametrize("cfg,targets", [(TINY_GPT2, ["c_proj"]), (TINY_GPT2, ["attn.c_proj"]),
-                                         (TINY_GPT2, ["c_attn", "lm_head"]), (TINY_LLAMA, ["q_proj", "v_proj"]),
+                                         (TINY_GPT2, ["h.0.attn.c_proj"]),
+                                         ({**TINY_GPT2, "tie_word_embeddings": False}, ["c_attn", "lm_head"]),
+                                         (TINY_LLAMA, ["q_proj", "v_proj"]),
                                          (TINY_LLAMA, ["mlp.down_proj", "lm_head"])],
-                         ids=["gpt2-c_proj", "gpt2-attn.c_proj", "gpt2-head", "llama-qv", "llama-down-head"])
+                         ids=["gpt2-c_proj", "gpt2-attn.c_proj", "gpt2-one-block", "gpt2-untied-head", "llama-qv",
+                              "llama-down-head"])
 def test_a_list_of_names_adapts_what_peft_does(cfg, targets):
     assert lora_dims(cfg, 8, targets).adapter_params == peft_counts(cfg, 8, targets)[0]
 

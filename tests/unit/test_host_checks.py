@@ -440,7 +440,8 @@ def test_a_lora_target_the_model_lacks_is_the_job_s_line_before_any_job(tmp_path
     """The job refused it after the queue wait; the config tells the names here (runtime/lora.py's line)."""
     done = hpcgpu(*COMMANDS[command], str(write(tmp_path, lora_doc(tmp_path, ["q_proj"]))), cwd=tmp_path)
     assert one_error_line(done) == ("hpcgpu: error: train.lora.target_modules: q_proj is not a linear layer of "
-                                    "this gpt2 model; its linear layers: c_attn, c_fc, c_proj, lm_head")
+                                    "this gpt2 model (did you mean c_proj?); its linear layers: c_attn, c_fc, c_proj, "
+                                    "lm_head")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "jobs.db").exists()
 
 
@@ -449,7 +450,7 @@ def test_lora_targets_the_model_has_pass_without_torch_and_the_rest_is_left_to_t
     probe = ("import sys\nfrom hpcgpu.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
              "    code = exc.code\nprint('HEAVY=' + ','.join(m for m in ('torch', 'transformers') if m in sys.modules),"
              " 'CODE=' + str(code), file=sys.stderr)\n")
-    spec = write(tmp_path, lora_doc(tmp_path, ["attn.c_attn", "c_proj", "lm_head"]))  # peft takes a path's end
+    spec = write(tmp_path, lora_doc(tmp_path, ["attn.c_attn", "c_proj", "h.0.mlp.c_fc"]))  # peft takes a path's end
     done = subprocess.run([sys.executable, "-c", probe, "validate", str(spec)], capture_output=True, text=True,
                           cwd=tmp_path, timeout=60)
     assert "HEAVY= CODE=0" in done.stderr, done.stderr

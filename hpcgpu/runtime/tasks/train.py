@@ -290,7 +290,7 @@ class Trainer:
         if self.tp.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if self.spec.train.lora is not None:
-            model = add_adapters(model, self.spec.train.lora)
+            model = add_adapters(model, self.spec.train.lora, self.spec.train.fused_loss)
         # from_pretrained (model.name_or_path, QLoRA's base) returns a model in eval mode, and peft's
         # PeftModel around it is a new module in training mode: train_step's raw_model.training check would
         # never switch the base's layers, and Hugging Face's layers checkpoint (and drop out) only in training
