@@ -64,7 +64,7 @@ def parse_section(cls: type, raw: Any, path: str, lines: LineMap) -> Any:
     fields = section_fields(cls)
     for key in raw:
         if key not in fields:
-            raise lines.error(_join(path, str(key)), _unknown_key_message(str(key), list(fields)))
+            raise lines.error(_join(path, str(key)), _unknown_key_message(str(key), list(fields), path))
     hints = _hints(cls)
     kwargs: dict[str, Any] = {}
     for key, f in fields.items():
@@ -77,70 +77,81 @@ def parse_section(cls: type, raw: Any, path: str, lines: LineMap) -> Any:
     return cls(**kwargs)
 
 
-def _unknown_key_message(key: str, valid: list[str]) -> str:
-    return f"unknown key{_did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
+def _unknown_key_message(key: str, valid: list[str], section: str) -> str:
+    return f"unknown key{_did_you_mean(key, valid, section)}; valid keys: {', '.join(valid)}"
 
 
-def _did_you_mean(key: str, valid: list[str]) -> str:
-    if key in ACCUMULATION_NAMES and "global_batch_size" in valid:
-        return " (set the batch sizes: global_batch_size = micro_batch_size x accumulation steps x ranks)"
-    meant = [k for k in OTHER_TOOLS_NAMES.get(key, ()) if k.split(".")[0] in valid]
-    meant = meant or difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+def _did_you_mean(key: str, valid: list[str], section: str) -> str:
+    if key in ACCUMULATION_NAMES:
+        return (" (set the batch sizes: train.global_batch_size = train.micro_batch_size x accumulation steps "
+                "x ranks)")
+    meant = _meant(key, valid, section)
     return f" (did you mean {' or '.join(repr(k) for k in meant)}?)" if meant else ""
 
 
+def _meant(key: str, valid: list[str], section: str) -> list[str]:
+    """The keys another tool's name means under `section` (by their name where it is the section's
+    own, else in full); else the section's closest key and those the name means elsewhere, in full
+    (train.save_steps: max_steps or checkpoint.every_steps)."""
+    keys = OTHER_TOOLS_NAMES.get(key, ())
+    here = [k.rpartition(".")[2] if k.rpartition(".")[0] == section else k
+            for k in keys if k.startswith(f"{section}.")]
+    return here or difflib.get_close_matches(key, valid, n=1, cutoff=0.6) + list(keys)
+
+
 # Other tools' names (Hugging Face's Trainer and PEFT, Lightning, nanoGPT, DeepSpeed, accelerate, vLLM,
-# SLURM) for keys of this schema, which difflib does not find: name -> the key meant, relative to the
-# section the name was written in; one whose first part that section lacks is not offered (max_length
-# is data's seq_len but infer's max_new_tokens)
+# SLURM) for this schema's keys, which difflib does not find: name -> the full keys it may mean
+# (max_length is data.seq_len in a data section, infer.max_new_tokens in an infer one)
 OTHER_TOOLS_NAMES: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("learning_rate", "base_lr", "peak_lr"), ("lr",)),
-    "min_lr": ("min_lr_ratio",),
-    "batch_size": ("global_batch_size", "micro_batch_size"),
-    **dict.fromkeys(("train_batch_size", "total_batch_size", "effective_batch_size"), ("global_batch_size",)),
+    **dict.fromkeys(("learning_rate", "base_lr", "peak_lr"), ("train.lr",)),
+    "min_lr": ("train.min_lr_ratio",),
+    "batch_size": ("train.global_batch_size", "train.micro_batch_size", "infer.batch_size"),
+    **dict.fromkeys(("train_batch_size", "total_batch_size", "effective_batch_size"), ("train.global_batch_size",)),
     **dict.fromkeys(("per_device_train_batch_size", "train_micro_batch_size_per_gpu", "batch_size_per_gpu",
-                     "micro_batch"), ("micro_batch_size",)),
-    **dict.fromkeys(("num_epochs", "num_train_epochs", "max_epochs", "n_epochs"), ("epochs",)),
+                     "micro_batch"), ("train.micro_batch_size",)),
+    **dict.fromkeys(("num_epochs", "num_train_epochs", "max_epochs", "n_epochs"), ("train.epochs",)),
     **dict.fromkeys(("max_iters", "num_steps", "total_steps", "train_steps", "max_train_steps", "num_training_steps",
-                     "iterations", "steps"), ("max_steps",)),
-    "wd": ("weight_decay",),
-    **dict.fromkeys(("warmup", "warmup_iters", "num_warmup_steps", "lr_warmup_steps"), ("warmup_steps",)),
+                     "iterations"), ("train.max_steps",)),
+    "wd": ("train.weight_decay",),
+    **dict.fromkeys(("warmup", "warmup_iters", "num_warmup_steps", "lr_warmup_steps"), ("train.warmup_steps",)),
     **dict.fromkeys(("max_grad_norm", "gradient_clip_val", "gradient_clipping", "clip_grad_norm", "clip_grad",
-                     "grad_norm_clip"), ("grad_clip",)),
-    "random_seed": ("seed",),
-    **dict.fromkeys(("mixed_precision", "fp16", "bf16", "amp"), ("precision",)),
-    "activation_checkpointing": ("gradient_checkpointing",),
-    "torch_compile": ("compile",),
-    **dict.fromkeys(("logging_steps", "log_interval", "log_every_n_steps", "log_freq"), ("log_every",)),
-    **dict.fromkeys(("eval_steps", "eval_interval", "val_check_interval", "eval_freq"), ("eval_every",)),
-    "eval_iters": ("eval_batches",),
-    **dict.fromkeys(("lora_r", "lora_rank", "rank"), ("lora.r", "r")),
-    "lora_alpha": ("lora.alpha", "alpha"),
-    "lora_dropout": ("lora.dropout", "dropout"),
-    **dict.fromkeys(("lora_target_modules", "target"), ("lora.target_modules", "target_modules")),
-    **dict.fromkeys(("save_steps", "save_every", "save_interval", "every_n_train_steps"), ("every_steps",)),
-    **dict.fromkeys(("save_total_limit", "keep_last", "max_to_keep", "save_top_k"), ("keep",)),
-    **dict.fromkeys(("dataset", "dataset_path", "data_path", "train_file", "train_data", "train_path"), ("train",)),
+                     "grad_norm_clip"), ("train.grad_clip",)),
+    "random_seed": ("train.seed", "infer.seed"),
+    **dict.fromkeys(("mixed_precision", "fp16", "bf16", "amp"), ("train.precision",)),
+    "activation_checkpointing": ("train.gradient_checkpointing",),
+    "torch_compile": ("train.compile",),
+    **dict.fromkeys(("logging_steps", "log_interval", "log_every_n_steps", "log_freq"), ("train.log_every",)),
+    **dict.fromkeys(("eval_steps", "eval_interval", "val_check_interval", "eval_freq"), ("train.eval_every",)),
+    "eval_iters": ("train.eval_batches",),
+    **dict.fromkeys(("lora_r", "lora_rank", "rank"), ("train.lora.r",)),
+    "lora_alpha": ("train.lora.alpha",),
+    "lora_dropout": ("train.lora.dropout",),
+    **dict.fromkeys(("lora_target_modules", "target"), ("train.lora.target_modules",)),
+    "merge_adapter": ("train.merge",),
+    **dict.fromkeys(("save_steps", "save_every", "save_interval", "every_n_train_steps"), ("checkpoint.every_steps",)),
+    **dict.fromkeys(("save_total_limit", "keep_last", "max_to_keep", "save_top_k"), ("checkpoint.keep",)),
+    **dict.fromkeys(("dataset", "dataset_path", "data_path", "train_file", "train_data", "train_path"),
+                    ("data.train",)),
     **dict.fromkeys(("validation_file", "eval_file", "valid_file", "val_data", "eval_data", "validation_data"),
-                    ("eval",)),
+                    ("data.eval",)),
     **dict.fromkeys(("max_seq_length", "max_seq_len", "seq_length", "sequence_length", "block_size",
-                     "context_length"), ("seq_len",)),
-    "max_length": ("seq_len", "max_new_tokens"),
-    **dict.fromkeys(("dataset_text_field", "text_column"), ("text_field",)),
-    **dict.fromkeys(("model_name", "model_name_or_path", "pretrained_model_name_or_path", "model_id", "model_path",
-                     "path"), ("name_or_path",)),
-    "torch_dtype": ("dtype",),
-    **dict.fromkeys(("load_in_4bit", "load_in_8bit", "quantize"), ("quantization",)),
-    **dict.fromkeys(("adapter_path", "adapter_name_or_path", "peft_model_id", "lora_path"), ("adapter",)),
-    "max_tokens": ("max_new_tokens",),
-    **dict.fromkeys(("input_file", "prompts", "prompts_file"), ("input",)),
-    **dict.fromkeys(("stop_sequences", "stop_strings"), ("stop",)),
-    **dict.fromkeys(("gpus_per_node", "num_gpus", "ngpus", "n_gpus"), ("gpus",)),
-    **dict.fromkeys(("num_nodes", "nnodes", "n_nodes"), ("nodes",)),
-    "cpus_per_task": ("cpus_per_gpu",),
-    **dict.fromkeys(("mem", "memory"), ("mem_per_gpu",)),
-    **dict.fromkeys(("time_limit", "walltime", "timeout"), ("time",)),
-    "queue": ("partition",),
+                     "context_length"), ("data.seq_len",)),
+    "max_length": ("data.seq_len", "infer.max_new_tokens"),
+    **dict.fromkeys(("dataset_text_field", "text_column"), ("data.text_field",)),
+    **dict.fromkeys(("model_name", "model_name_or_path", "pretrained_model_name_or_path", "model_id", "model_path"),
+                    ("model.name_or_path",)),
+    "torch_dtype": ("model.dtype",),
+    **dict.fromkeys(("load_in_4bit", "load_in_8bit", "quantize"), ("model.quantization",)),
+    **dict.fromkeys(("adapter_path", "adapter_name_or_path", "peft_model_id", "lora_path"), ("model.adapter",)),
+    "max_tokens": ("infer.max_new_tokens",),
+    **dict.fromkeys(("input_file", "prompts", "prompts_file"), ("infer.input",)),
+    **dict.fromkeys(("stop_sequences", "stop_strings"), ("infer.stop",)),
+    **dict.fromkeys(("gpus_per_node", "num_gpus", "ngpus", "n_gpus"), ("resources.gpus",)),
+    **dict.fromkeys(("num_nodes", "nnodes", "n_nodes"), ("resources.nodes",)),
+    "cpus_per_task": ("resources.cpus_per_gpu",),
+    **dict.fromkeys(("mem", "memory"), ("resources.mem_per_gpu",)),
+    **dict.fromkeys(("time_limit", "walltime"), ("resources.time",)),
+    "queue": ("slurm.partition",),
 }
 ACCUMULATION_NAMES = frozenset(("gradient_accumulation_steps", "accumulate_grad_batches", "grad_accum",
                                 "gradient_accumulation", "accumulation_steps"))

@@ -89,10 +89,13 @@ def test_queue_takes_its_gpus_as_devices_and_by_the_former_name(tmp_path, flag) 
     ("train.num_train_epochs", "(did you mean 'epochs'?)"),
     ("train.batch_size", "(did you mean 'global_batch_size' or 'micro_batch_size'?)"),
     ("train.per_device_train_batch_size", "(did you mean 'micro_batch_size'?)"),
-    ("train.gradient_accumulation_steps", "(set the batch sizes: global_batch_size = micro_batch_size x "
-                                          "accumulation steps x ranks)"),
+    ("train.gradient_accumulation_steps", "(set the batch sizes: train.global_batch_size = "
+                                          "train.micro_batch_size x accumulation steps x ranks)"),
     ("train.max_grad_norm", "(did you mean 'grad_clip'?)"),
-    ("train.lora_r", "(did you mean 'lora.r'?)"),
+    ("train.lora_r", "(did you mean 'train.lora.r'?)"),
+    ("train.max_seq_length", "(did you mean 'data.seq_len'?)"),
+    ("train.save_steps", "(did you mean 'max_steps' or 'checkpoint.every_steps'?)"),
+    ("learning_rate", "(did you mean 'train.lr'?)"),
     ("data.max_length", "(did you mean 'seq_len'?)"),
     ("infer.max_length", "(did you mean 'max_new_tokens'?)"),
     ("model.model_name_or_path", "(did you mean 'name_or_path'?)"),
@@ -107,3 +110,18 @@ def test_a_spec_files_key_of_another_tool_gets_the_suggestion_too(capsys, tmp_pa
     spec.write_text(Path(SPEC).read_text().replace("  lr:", "  learning_rate:"))
     line = error_of(capsys, "validate", str(spec))
     assert ": train.learning_rate: unknown key (did you mean 'lr'?)" in line, line
+
+
+def test_every_key_another_tools_name_means_is_a_key_of_the_spec() -> None:
+    from hpcgpu.spec.jsonschema import json_schema
+    from hpcgpu.spec.parse import OTHER_TOOLS_NAMES
+
+    def properties(node: dict) -> dict:
+        return node.get("properties") or next(n["properties"] for n in node["anyOf"] if "properties" in n)
+
+    for name, keys in OTHER_TOOLS_NAMES.items():
+        for key in keys:
+            node = json_schema()
+            for part in key.split("."):
+                assert part in properties(node), (name, key)
+                node = properties(node)[part]
