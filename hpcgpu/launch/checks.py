@@ -302,6 +302,17 @@ def data_rows_problem(spec: Spec, key: str) -> str | None:
     return example_rows_problem(key, value, spec.data.format, spec.data.text_field)
 
 
+def untrained_rows_problem(spec: Spec, key: str, here: Here) -> str | None:
+    """task: train, chat/prompt_completion: no row of data.train/data.eval (`key`) with a trainable token;
+    some without one are a note (hpcgpu/data/trainable.py: the job's rule and line)."""
+    value = spec.data.train if key == "data.train" else spec.data.eval
+    if spec.task != "train" or spec.data.format == "text" or not value:
+        return None
+    from hpcgpu.data.trainable import untrained_problem  # hpcgpu.data imports numpy
+
+    return untrained_problem(key, value, spec.data.format, here.note)
+
+
 def chat_data_problem(spec: Spec) -> str | None:
     """task: train, data.format chat: the tokenizer needs a chat template."""
     if spec.task != "train" or spec.data.format != "chat":
@@ -613,6 +624,7 @@ class Here:
     environ: Mapping[str, str] | None = None
     # run dirs of jobs still to run (submit --after): a problem about a path in one is not one yet
     pending: tuple[str, ...] = ()
+    note: Warn | None = None  # where a check says what is not an error (validate, sbatch, submit print it)
 
 
 Problem = Callable[[Spec, Here], "str | None"]
@@ -729,6 +741,8 @@ SPEC_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("data.format", lambda spec, _: prepared_formats_problem(spec), _data),
     HostCheck("data.train", lambda spec, _: data_rows_problem(spec, "data.train"), _data),
     HostCheck("data.eval", lambda spec, _: data_rows_problem(spec, "data.eval"), _data),
+    *(HostCheck(key, lambda spec, here, key=key: untrained_rows_problem(spec, key, here), _data)
+      for key in ("data.train", "data.eval")),
     HostCheck("data.format", lambda spec, _: chat_data_problem(spec), _data),
     HostCheck("model.name_or_path", _infer(infer_model_problem), lambda spec: (spec.task, spec.model.name_or_path)),
     HostCheck("model.adapter", lambda spec, here: adapter_problem(spec, here.pending)),
@@ -799,7 +813,7 @@ def check_host(specs: Spec | Sequence[Spec], passthrough: str = "skip", slurm: b
     user when the variables must be set.
     """
     specs = [specs] if isinstance(specs, Spec) else list(specs)
-    here = Here(slurm, environ, pending)
+    here = Here(slurm, environ, pending, warn)
     check_specs(specs, here)
     check_runs_dirs(specs)
     warn_untracked(specs, warn)
