@@ -24,7 +24,9 @@ Every key of an experiment spec (the YAML file you pass to `hpcgpu validate`, `s
 `queue` and `run`), with its type, default and what it does. This page is generated from the same
 field descriptions the parser and `hpcgpu schema` (the JSON Schema, for editor completion) read, so
 it is always the spec the installed hpcgpu accepts. An unknown key is an error that names the closest
-valid one; `hpcgpu validate SPEC --full` prints a spec with every default filled in.
+valid one, or the key another tool's name means (`train.learning_rate`: `lr`, `train.num_train_epochs`:
+`epochs`; in another section by its full key, `train.max_seq_length`: `data.seq_len`); `hpcgpu
+validate SPEC --full` prints a spec with every default filled in.
 
 Keys are set in the file or with `--set key.path=value` (YAML-typed, repeatable); `--gpus` and
 `--nodes` set `resources.gpus` and `resources.nodes`. How the keys are used: [running a spec](running.md),
