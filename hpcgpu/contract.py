@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 import shutil
 import signal
@@ -166,6 +167,27 @@ class RunPaths:
         if given:
             return cls(Path(given))
         return cls(Path(spec_path).resolve().parent if spec_path else Path.cwd())
+
+
+STEP_RE = re.compile(r"^step-(\d+)$")  # checkpoints/step-N (N zero-padded)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete step folders under `root` (a run dir's checkpoints/: COMPLETE inside), oldest first;
+    a resume takes the newest. Read by the job and, without torch, by the host (status, submit)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and (p / COMPLETE_MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_step(path: Path) -> int:
+    """checkpoints/step-00000040 -> 40."""
+    return int(STEP_RE.match(path.name).group(1))  # type: ignore[union-attr]
 
 
 def is_finished(run_dir: Path) -> bool:

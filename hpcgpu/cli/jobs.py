@@ -5,6 +5,7 @@ Host side only: the registry (sqlite3) and one scheduler call per refresh; nothi
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,11 +14,11 @@ from typing import Any, Callable
 import click
 
 from hpcgpu.cli.table import format_table
-from hpcgpu.contract import RunPaths
+from hpcgpu.contract import RunPaths, checkpoint_step, is_finished
 from hpcgpu.errors import HpcgpuError, UsageError
 from hpcgpu.launch.executors import executor_for, refresh
-from hpcgpu.launch.joblogs import RANK_LABEL
-from hpcgpu.launch.progress import last_progress, run_warnings
+from hpcgpu.launch.joblogs import RANK_LABEL, interleave
+from hpcgpu.launch.progress import last_checkpoint, last_progress, resume_spec, resumed_since, run_warnings
 from hpcgpu.launch.state import find_job, is_final
 from hpcgpu.launch.registry import JobRecord, Registry, TaskRecord
 from hpcgpu.launch.scheduler import FINAL_STATES, format_duration, parse_duration
@@ -67,7 +68,7 @@ def job_view(job: JobRecord, registry: Registry | None = None) -> dict[str, Any]
     later = resumed_by(job, registry) if registry is not None else None
     if later is not None:  # the run dir's progress is the later job's now, not this one's
         view.update(step=None, loss=None, rows=None, rows_total=None, max_steps=None, tokens_per_s=None,
-                    eta_s=None, progress=f"- (run dir resumed by job {later})", resumed_by=later)
+                    eta_s=None, progress=f"- (run dir resumed by job {later.job_id})", resumed_by=later.job_id)
     view.update({"name": job.name, "executor": job.executor, "spec": job.spec, "after": job.after,
                  "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.submitted))})
     if job.is_array:
@@ -77,15 +78,36 @@ def job_view(job: JobRecord, registry: Registry | None = None) -> dict[str, Any]
         hours = [t["gpu_hours"] for t in view["tasks"] if t["gpu_hours"] is not None]
         view["gpu_hours"] = round(sum(hours), 3) if hours else None  # the array's: all its tasks
     view["logs"] = [str(p) for p in executor_for(job).log_files(job, None)] if not job.is_array else []
+    if not job.is_array:
+        view.update(go_on_view(job, later))
     return view
 
 
-def resumed_by(job: JobRecord, registry: Registry) -> str | None:
-    """The newest later job that went on in this job's run dir (submit again resumes an unfinished run)."""
+# ended before its run did, by a stop, a cancel or the scheduler: the same submit goes on from its run dir
+STOPPED_STATES = frozenset({"CANCELLED", "PREEMPTED", "TIMEOUT", "NODE_FAIL", "DEADLINE"})
+
+
+def go_on_view(job: JobRecord, later: JobRecord | None) -> dict[str, Any]:
+    """Where a job's run went on from (a resume of an earlier job's checkpoint) and, for one that
+    stopped before its run finished (and no later job took the run on), its newest complete
+    checkpoint and the command that resumes it."""
+    resumed = resumed_since(job.run_dir, job.submitted, later.submitted if later else None)
+    view: dict[str, Any] = {"resumed": resumed.text() if resumed else None, "checkpoint": None,
+                            "checkpoint_step": None, "resume_command": None}
+    if job.state in STOPPED_STATES and later is None and not is_finished(Path(job.run_dir)):
+        checkpoint = last_checkpoint(job.run_dir)
+        view["checkpoint"] = str(checkpoint) if checkpoint else None
+        view["checkpoint_step"] = checkpoint_step(checkpoint) if checkpoint else None
+        view["resume_command"] = f"hpcgpu submit {resume_spec(job.spec, job.run_dir)} --executor {job.executor}"
+    return view
+
+
+def resumed_by(job: JobRecord, registry: Registry) -> JobRecord | None:
+    """The next job that went on in this job's run dir (submit again resumes an unfinished run)."""
     if job.is_array:
         return None
     later = [j for j in registry.with_run_dir(job.run_dir) if j.submitted > job.submitted and j.job_id != job.job_id]
-    return max(later, key=lambda j: j.submitted).job_id if later else None
+    return min(later, key=lambda j: j.submitted) if later else None
 
 
 def step_cell(view: dict[str, Any]) -> str:
@@ -141,6 +163,15 @@ def gpu_time_text(view: dict[str, Any]) -> str:
     return f"{view['gpu_hours']:.2f} GPU-hours" + (f" ({view['gpus']} GPUs)" if view.get("gpus") else "")
 
 
+def checkpoint_text(view: dict[str, Any]) -> str | None:
+    """A stopped job's newest complete checkpoint, or that it has none to go on from."""
+    if not view.get("resume_command"):
+        return None
+    if view.get("checkpoint"):
+        return f"{view['checkpoint']} (step {view['checkpoint_step']}, the newest complete checkpoint)"
+    return "no complete checkpoint: the resumed run starts from step 0" if view.get("step") is not None else None
+
+
 def print_job(view: dict[str, Any]) -> None:
     waiting = view["state"] in ("PENDING", "REQUEUED")
     # the failed rank's exit code says more than the batch script's, which srun's teardown sets
@@ -152,7 +183,11 @@ def print_job(view: dict[str, Any]) -> None:
                          ("gpu time", gpu_time_text(view)), ("nodes", view["nodes"] or "-"),
                          ("restarts", view["restarts"]), ("submitted", view["submitted"]),
                          ("after", f"job {view['after']} (runs once it has completed)" if view.get("after") else None),
-                         ("spec", view["spec"]), ("commit", view.get("commit")), ("run dir", view["run_dir"])):
+                         ("resumed", view.get("resumed")),
+                         ("spec", view["spec"]), ("commit", view.get("commit")), ("run dir", view["run_dir"]),
+                         ("saved", checkpoint_text(view)),
+                         ("go on", f"{view['resume_command']} (resumes this run dir)" if view.get("resume_command")
+                          else None)):
         if value is not None:
             click.echo(f"{label:<10}{value}")
     if "tasks" not in view:
@@ -232,7 +267,8 @@ def show_jobs(registry: Registry, jobs: list, as_json: bool, empty: str) -> None
               help="Only this rank: a local job's logs/rank-N.log (default 0), or a SLURM job's lines "
                    "that srun labels 'N: '.")
 def logs(job_ref: str, follow: bool, rank: int | None) -> None:
-    """Print JOB's output: slurm-<id>.out/.err in its run dir, or a local job's logs/rank-N.log."""
+    """Print JOB's output: slurm-<id>.out and .err in its run dir, merged line by line in the order they
+    were written, or a local job's logs/rank-N.log."""
     registry = Registry()
     job, task = find_job(registry, job_ref)
     one_unit(job, task, "logs")
@@ -246,7 +282,7 @@ def logs(job_ref: str, follow: bool, rank: int | None) -> None:
     offsets = {p: 0 for p in files}
     emit = (lambda text: only_rank(text, rank)) if rank is not None and executor.labels_ranks else (lambda text: text)
     try:
-        print_new(offsets, emit)
+        print_new(offsets, emit, whole_lines=follow)
         while follow:
             refresh(registry, [job])
             unit = job.task(task.id) if task else job
@@ -292,30 +328,38 @@ def only_rank(text: str, rank: int) -> str:
 
 def print_new(offsets: dict[Path, int], emit: Callable[[str], str] = lambda text: text,
               whole_lines: bool = False) -> None:
-    """Print what each log gained since the last call (a stderr file under a header, like tail).
-    While following, only whole lines are taken, so a filter never sees half a line."""
+    """Print what the logs gained since the last call, .out and .err merged line by line in the order
+    they were written (joblogs.interleave). While following, only whole lines are taken, so a filter
+    never sees half a line."""
+    chunks = []
     for path, offset in offsets.items():
         try:
             with open(path, "rb") as fh:
                 fh.seek(offset)
                 data = fh.read()
+                written = os.fstat(fh.fileno()).st_mtime
         except OSError:
             continue
         if whole_lines:
             data = data[: data.rfind(b"\n") + 1]
-        if not data:
-            continue
-        offsets[path] = offset + len(data)
-        if path.suffix == ".err" and offset == 0:
-            click.echo(f"==> {path.name} <==", err=False)
-        sys.stdout.write(emit(data.decode(errors="replace")))
+        if data:
+            offsets[path] = offset + len(data)
+            chunks.append((data.decode(errors="replace"), written))
+    if chunks:
+        sys.stdout.write(emit(interleave(chunks)))
         sys.stdout.flush()
 
 
 @click.command()
 @job_argument
-def cancel(job_ref: str) -> None:
-    """Cancel JOB: a SLURM job, one array task (123_4), a whole array (123) or a local job."""
+@click.option("--now", is_flag=True,
+              help="Stop at once, without the checkpoint (SLURM: the ranks are killed; local: the executor kills them).")
+def cancel(job_ref: str, now: bool) -> None:
+    """Cancel JOB: a SLURM job, one array task (123_4), a whole array (123) or a local job.
+
+    A running job checkpoints first: train and infer stop at their next checkpoint (resubmitting the
+    same spec resumes from it; `hpcgpu status JOB` names it and the command); a command's program gets
+    the stop signal. --now skips the checkpoint."""
     registry = Registry()
     job, task = find_job(registry, job_ref)
-    click.echo(executor_for(job).cancel(registry, job, task, job_ref))
+    click.echo(executor_for(job).cancel(registry, job, task, job_ref, now))

@@ -74,8 +74,8 @@ class Executor(ABC):
         """Bring this executor's jobs' states up to date and save them."""
 
     @abstractmethod
-    def cancel(self, registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str) -> str:
-        """Cancel a job (or an array task); one line saying what happened."""
+    def cancel(self, registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str, now: bool = False) -> str:
+        """Cancel a job (or an array task), at its next checkpoint unless `now`; one line saying what happened."""
 
     @abstractmethod
     def log_files(self, job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
@@ -115,8 +115,9 @@ class SlurmExecutor(Executor):
     def refresh(self, registry: Registry, jobs: list[JobRecord]) -> None:
         refresh_slurm_jobs(registry, jobs, self.failure_of)
 
-    def cancel(self, registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str) -> str:
-        return scancel(job, task, ref)
+    def cancel(self, registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str, now: bool = False) -> str:
+        self.refresh(registry, [job])  # what there is to stop: a job still waiting has no checkpoint to take
+        return scancel(job, job.task(task.id) if task else None, ref, now)
 
     def log_files(self, job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
         return slurm_log_files(job, task)
@@ -152,8 +153,8 @@ class LocalExecutor(Executor):
     def refresh(self, registry: Registry, jobs: list[JobRecord]) -> None:
         refresh_local_jobs(registry, jobs, self.failure_of)
 
-    def cancel(self, registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str) -> str:
-        return stop_local(registry, job, ref, self.failure_of)
+    def cancel(self, registry: Registry, job: JobRecord, task: TaskRecord | None, ref: str, now: bool = False) -> str:
+        return stop_local(registry, job, ref, self.failure_of, now)
 
     def log_files(self, job: JobRecord, task: TaskRecord | None, rank: int | None = None) -> list[Path]:
         return [rank_log(task or job, rank)]

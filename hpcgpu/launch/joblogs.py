@@ -1,12 +1,15 @@
-"""A job's log files and what srun writes in them: which rank failed first, how, and its last line.
+"""A job's log files and what srun writes in them: which rank failed first, how, and its last line;
+and a job's .out and .err merged in the order they were written (`hpcgpu logs`).
 
 Logs are read from their end only (LOG_TAIL_BYTES): failures are at the end, and a log may be GBs.
 """
 from __future__ import annotations
 
+import heapq
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,9 @@ SCHEDULER_LINE = re.compile(r"^(srun|slurmstepd(-[^\s:]+)?|slurmd)(\[\d+\])?: ")
 SRUN_ERROR = re.compile(r"^srun: (error|fatal): ")
 # the GPU monitor's end-of-job summary comes after a program's last error: it is never the reason
 MONITOR_LINE = re.compile(r"^(\d\d:\d\d:\d\d )?(\[rank \d+\] )?gpu monitor: ")
+# the time hpcgpu's log lines start with (runtime/logsetup.py), after srun's rank label
+LINE_TIME = re.compile(r"^(?:\s*\d+: ?)?(\d\d):(\d\d):(\d\d) ")
+DAY_S = 86400
 SIGNAL_TEXTS = {text.lower(): int(sig) for sig in signal.Signals if (text := signal.strsignal(sig))}
 
 
@@ -133,3 +139,50 @@ def last_line(lines: list[str], rank: int | None = -1, srun_errors: bool = False
         if text and not SCHEDULER_LINE.match(text) and not MONITOR_LINE.match(text):
             return text
     return ""
+
+
+# --- .out and .err in the order they were written -----------------------------------------------------
+
+def line_time(line: str) -> int | None:
+    """The second of the day a log line says it was written at (`HH:MM:SS ` after an srun label)."""
+    m = LINE_TIME.match(line)
+    return int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3]) if m else None
+
+
+def written_keys(lines: list[str], written: float) -> list[float]:
+    """When each line of one log was written, as seconds of the day, never decreasing (the file's own
+    order is kept): a line's own time; an untimed line (a traceback, srun's, a program's print) is
+    taken to come right after the timed line before it, and those after the last timed line (all of
+    them, in a file without times, like most of an .err) at the file's last write, `written` (mtime)."""
+    keys: list[float | None] = []
+    last: float | None = None
+    day = 0
+    for line in lines:
+        t = line_time(line)
+        if t is not None:
+            if last is not None and t + day < last - DAY_S / 2:
+                day += DAY_S  # past midnight
+            last = t + day if last is None else max(last, t + day)
+        keys.append(last)
+    end = time.localtime(written)
+    at_end = end.tm_hour * 3600 + end.tm_min * 60 + end.tm_sec + day
+    if last is not None:
+        at_end = max(last, at_end + DAY_S if at_end < last - DAY_S / 2 else at_end)
+    trailing = len(lines)
+    while trailing and line_time(lines[trailing - 1]) is None:
+        trailing -= 1
+    first = next((k for k in keys if k is not None), at_end)
+    return [at_end if i >= trailing else (k if k is not None else first) for i, k in enumerate(keys)]
+
+
+def interleave(chunks: list[tuple[str, float]]) -> str:
+    """Several logs' text (with each file's mtime) as one, line by line in the order they were written
+    (written_keys); at the same second the earlier log's lines first (.out before .err)."""
+    keyed = []
+    for index, (text, written) in enumerate(chunks):
+        lines = text.splitlines(keepends=True)
+        keyed.append([(key, index, n, line) for n, (key, line) in enumerate(zip(written_keys(lines, written), lines))])
+    merged = [line for _, _, _, line in heapq.merge(*keyed)]
+    # a file's last line still being written (no newline yet) gets one where another file's lines follow it
+    return "".join(line if line.endswith("\n") or n == len(merged) - 1 else line + "\n"
+                   for n, line in enumerate(merged))

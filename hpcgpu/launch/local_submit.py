@@ -121,7 +121,9 @@ def local_state(registry: Registry, record: JobRecord, code: int, run_dir: Path)
     if code == 0:
         return "COMPLETED", ""
     if cancelled:
-        return "CANCELLED", "hpcgpu cancel"
+        how = stop_summary(run_dir) if code == EXIT_STOPPED else \
+            "killed without a checkpoint" if code == EXIT_KILLED else f"exit code {code}"
+        return "CANCELLED", f"hpcgpu cancel: {how}"
     if code == EXIT_STOPPED:
         return "PREEMPTED", f"{stop_summary(run_dir)}; the same command goes on from it"
     if code == EXIT_KILLED:

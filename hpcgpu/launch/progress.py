@@ -1,5 +1,6 @@
 """A run's progress from its run dir: the last records of metrics.jsonl (and an infer run's written rows),
-read from the end of the file so that `hpcgpu status` stays quick on a long run."""
+read from the end of the file so that `hpcgpu status` stays quick on a long run; and how a run that
+stopped goes on (its newest complete checkpoint, the command that resumes it, where a job resumed from)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcgpu.contract import RunPaths
+from hpcgpu.contract import RunPaths, checkpoint_step, complete_checkpoints
+from hpcgpu.errors import HpcgpuError
+from hpcgpu.launch.rundir import recorded_width
+from hpcgpu.spec import dump_spec, load_spec
 
 
 @dataclass(frozen=True)
@@ -130,3 +134,66 @@ def last_progress(run_dir: str | Path, tail_bytes: int = 65536) -> RunProgress:
         if kind == "end" and "rows" in record:
             return RunProgress(rows=record["rows"], rows_total=record["rows"])
     return RunProgress()
+
+
+# --- how a stopped run goes on ----------------------------------------------------------------------
+
+def last_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoints/step-N of a run: the one a resume takes."""
+    done = complete_checkpoints(RunPaths(Path(run_dir)).checkpoints)
+    return done[-1] if done else None
+
+
+def resume_spec(spec_file: str, run_dir: str | Path) -> str:
+    """The spec file whose `hpcgpu submit` resumes the run dir: the one it was submitted from where that
+    still resolves to the run's spec word for word (no --set or --gpus was given, the file is unchanged),
+    else the run dir's own spec.yaml (the resolved spec: submitting it finds the same run)."""
+    recorded = RunPaths(Path(run_dir)).spec
+    try:
+        if dump_spec(load_spec(spec_file, defaults=True)) == recorded.read_text():
+            return spec_file
+    except (HpcgpuError, OSError, ValueError):
+        pass  # moved, changed or broken since: the run dir's copy still resumes
+    return str(recorded)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A job that went on from an earlier job's checkpoint (or written rows) in the same run dir."""
+
+    step: int | None
+    rows: int | None
+    width: int | None  # ranks now (the run's plan.json)
+    was: int | None  # ranks the checkpoint was written at (its own plan.json), where it is still there
+
+    def text(self) -> str:
+        """'from step 40 (at 2 GPUs, was 4)', 'after 45 rows'."""
+        where = f"after {self.rows} rows" if self.rows is not None else f"from step {self.step}"
+        if self.width is None:
+            return where
+        at = f"{self.width} GPU" + ("s" if self.width != 1 else "")
+        return f"{where} (at {at}, was {self.was})" if self.was not in (None, self.width) else f"{where} (at {at})"
+
+
+def resumed_since(run_dir: str | Path, since: float, until: float | None = None) -> Resumed | None:
+    """The resume that began a job submitted at `since` in this run dir (`until` the next job's
+    submission there): the first resume record written between them that is no requeue's (restart_count 0: the job's own start, going on from an
+    earlier job's checkpoint). The whole file is scanned for resume lines only (status of one job)."""
+    try:
+        with open(RunPaths(Path(run_dir)).metrics, "rb") as fh:
+            lines = [line for line in fh if b'"resume"' in line]
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        when = record.get("time", 0)
+        if record.get("kind") != "resume" or record.get("restart_count") or when < since \
+                or (until is not None and when >= until):
+            continue
+        checkpoint = RunPaths(Path(run_dir)).checkpoints / str(record.get("checkpoint", ""))
+        was = recorded_width(checkpoint)[0] if record.get("checkpoint") else None
+        return Resumed(record.get("step"), record.get("rows"), recorded_width(Path(run_dir))[0], was)
+    return None

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import yaml
 
 from hpcgpu.errors import SpecError
-from hpcgpu.contract import COMPLETE_MARKER, RunPaths, is_finished
+from hpcgpu.contract import RunPaths, checkpoint_step, complete_checkpoints, is_finished
 from hpcgpu.launch.snapshot import plan_snapshot, write_code
 from hpcgpu.spec import Spec, dump_spec
 
@@ -195,10 +195,9 @@ def resume_text(run_dir: Path, spec: Spec) -> str:
     """'resuming the unfinished run DIR (same spec; --new starts afresh)', with the step it goes on from
     and the width where a train run goes on at another one: read from the run's files, no torch."""
     text = f"resuming the unfinished run {run_dir}"
-    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step-*")
-             if p.name[5:].isdigit() and (p / COMPLETE_MARKER).is_file()]
-    if steps:
-        text += f" from step {max(steps)}"
+    done = complete_checkpoints(RunPaths(run_dir).checkpoints)
+    if done:
+        text += f" from step {checkpoint_step(done[-1])}"
     ran_at, _ = recorded_width(run_dir)
     now = spec.world_size  # ranks, as plan.json records them
     if spec.task == "train" and ran_at is not None and ran_at != now:

@@ -285,14 +285,29 @@ def _sacct_exit(text: str) -> int | None:
     return int(code) if code.isdigit() else None
 
 
-def cancel_jobs(job_ids: list[str]) -> None:
+def cancel_jobs(job_ids: list[str], now: bool = False) -> None:
     """Cancel for good: `123_4` one array task, `123` a whole array.
 
     scancel sends SIGTERM, which the job takes as a preemption: it checkpoints and rank 0 runs
     `scontrol requeue`, which SLURM accepts even for a cancelled job. Turning the job's Requeue flag
     off first makes that requeue fail ("presently disabled"), so a cancelled job stays cancelled.
+    `now`: no checkpoint first (kill_steps).
     """
     run_scheduler(["scontrol", "update", f"JobId={','.join(job_ids)}", "Requeue=0"])  # a finished job refuses: fine
+    if now:
+        kill_steps(job_ids)
     done = run_scheduler(["scancel", *job_ids])
     if done.returncode != 0:
         raise SchedulerError(f"scancel failed: {one_line(done.stderr) or done.returncode}")
+
+
+def kill_steps(job_ids: list[str]) -> None:
+    """SIGKILL every step of the jobs (their ranks), none of them given the SIGTERM that means "checkpoint":
+    a plain scancel, even `--signal=KILL`, ends a job through SIGTERM and KillWait. The batch script is
+    paused first (SIGSTOP): left running, it would end the job FAILED the moment its srun died, before the
+    scancel that marks it CANCELLED (which resumes and ends it)."""
+    run_scheduler(["scancel", "--batch", "--signal=STOP", *job_ids])  # a job not started yet refuses: fine
+    listed = run_scheduler(["squeue", "-h", "-s", "-j", ",".join(job_ids), "-o", "%i"])
+    steps = [s for s in listed.stdout.split() if s.rpartition(".")[2].isdigit()]  # not .batch or .extern
+    if steps:
+        run_scheduler(["scancel", "--signal=KILL", *steps])

@@ -33,14 +33,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from hpcgpu.contract import COMPLETE_MARKER, ENV_KILL_IN_CHECKPOINT, PLAN_FILE
+from hpcgpu.contract import COMPLETE_MARKER, ENV_KILL_IN_CHECKPOINT, PLAN_FILE, checkpoint_step, complete_checkpoints
 from hpcgpu.runtime.dist import new_gloo_group
 
 log = logging.getLogger("hpcgpu")
 
 MARKER = COMPLETE_MARKER
 SPEC_NAME = "spec.yaml"
-STEP_RE = re.compile(r"^step-(\d+)$")
 BEST_NAME = "best"
 
 
@@ -54,18 +53,6 @@ class CheckpointPolicy:
     every_minutes: float | None = None
     keep: int = 2
     async_save: bool = False
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete step folders, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and (p / MARKER).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
 
 
 def read_marker(path: Path) -> dict[str, Any]:
@@ -335,7 +322,7 @@ class CheckpointManager:
         for old in done[: max(0, len(done) - max(1, self.policy.keep))]:
             shutil.rmtree(old, ignore_errors=True)
         if done:
-            newest = int(STEP_RE.match(done[-1].name).group(1))  # type: ignore[union-attr]
+            newest = checkpoint_step(done[-1])
             for p in self.root.glob(".step-*.tmp"):
                 m = re.match(r"^\.step-(\d+)\.tmp$", p.name)
                 if m and int(m.group(1)) <= newest and (self._pending is None or self._pending[1] != p):

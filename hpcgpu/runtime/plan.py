@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths
+from hpcgpu.contract import ENV_GPU_MEMORY, PLAN_FILE, RunPaths, complete_checkpoints
 from hpcgpu.errors import HpcgpuError, SpecError
 from hpcgpu.gpu.estimate import (Strategy, auto_infer_batch, count_params, fmt_bytes, infer_batch_limit, parse_size,
                                  plan_strategy)
@@ -607,8 +607,6 @@ def read_plan(path: Path) -> RunPlan:
 def recorded_plan(paths: RunPaths) -> tuple[RunPlan, Path] | None:
     """The plan this run recorded, if any: the newest complete checkpoint's (the state a resume loads
     was trained under it), else `<run dir>/plan.json` (a start that stopped before its first save)."""
-    from hpcgpu.runtime.checkpoint import complete_checkpoints  # torch: only in the job, never on the host
-
     done = complete_checkpoints(paths.checkpoints)
     found = [(read_plan(path), path) for path in ([done[-1] / PLAN_FILE] if done else []) + [paths.plan]
              if path.is_file()]

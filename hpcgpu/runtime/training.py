@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hpcgpu.contract import complete_checkpoints
 from hpcgpu.runtime import watchdog
-from hpcgpu.runtime.checkpoint import CheckpointManager, Payload, complete_checkpoints
+from hpcgpu.runtime.checkpoint import CheckpointManager, Payload
 from hpcgpu.runtime.plan import RunPlan
 from hpcgpu.runtime.precision import Precision
 from hpcgpu.runtime.rng import rng_state, set_rng_state

@@ -105,19 +105,39 @@ def test_preemption_through_submit_resumes_exactly(slurm):
     assert_same_weights(run_dir, baseline)
 
 
-def test_cancel_a_job_for_good(slurm):
-    spec = command_spec(slurm, ["sleep", "300"], name="sleeper")
+def test_cancel_checkpoints_status_says_how_to_go_on_and_cancel_now_does_not(slurm):
+    """`hpcgpu cancel` of a running train job: it says the job stops at its next checkpoint, the job
+    ends CANCELLED (not requeued: cancel turned the Requeue flag off) with that checkpoint, and status
+    names it and the command that resumes it. That command resumes the run; `cancel --now` of the
+    resumed job ends it CANCELLED with no checkpoint of its own."""
+    spec = slurm.write_spec(slurm.tiny_train(max_steps=100000, log_every=5), "cancelme.yaml")
     job, run_dir, _ = slurm.submit(spec)
-    slurm.wait_status(job, timeout=60, states={"RUNNING"})
+    slurm.wait_for(lambda: len(slurm.loss_log(run_dir)) >= 3, timeout=180, what="first steps")
     done = slurm.hpcgpu("cancel", job)
-    assert done.stdout.strip() == f"cancelled {job}"
-    # the ranks take scancel's SIGTERM as a stop: once no process of the job is left, their
-    # requeue (refused: cancel turned the job's Requeue flag off) can no longer revive it
-    info = wait_settled(slurm, job, timeout=60)
+    assert done.stdout.strip() == (f"asked {job} to stop: it stops at its next checkpoint; "
+                                   f"`hpcgpu cancel --now {job}` stops it without one")
+    info = wait_settled(slurm, job, timeout=90)  # no process of the job left: a requeue would show by now
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), info
-    assert slurm.status(job)["state"] == "CANCELLED"
     assert "not requeuing" in slurm.job_output(run_dir, job)  # rank 0 decided, and said so
-    assert "ended" in slurm.hpcgpu("cancel", job).stdout
+    (stop,) = [r for r in slurm.metrics(run_dir) if r["kind"] == "stop"]
+    saved = run_dir / "checkpoints" / f"step-{stop['step']:08d}"
+    text = slurm.hpcgpu("status", job).stdout
+    assert f"saved     {saved} (step {stop['step']}, the newest complete checkpoint)" in text, text
+    command = f"hpcgpu submit {spec} --executor slurm"
+    assert f"go on     {command} (resumes this run dir)" in text, text
+    assert slurm.hpcgpu("cancel", job).stdout.strip() == f"{job} already ended (CANCELLED)"
+
+    again, again_dir, _ = slurm.submit(spec, "--executor", "slurm")  # the command status gave
+    assert again_dir == run_dir
+    slurm.wait_for(lambda: max(slurm.loss_log(run_dir)) >= stop["step"] + 10, timeout=180, what="resumed steps")
+    assert f"resumed   from step {stop['step']} (at 2 GPUs)" in slurm.hpcgpu("status", again).stdout
+    done = slurm.hpcgpu("cancel", "--now", again)
+    assert done.stdout.strip() == f"cancelled {again} now, without a checkpoint"
+    info = wait_settled(slurm, again, timeout=90)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), info
+    assert [r["kind"] for r in slurm.metrics(run_dir)].count("stop") == 1  # the first job's only
+    assert [p.name for p in (run_dir / "checkpoints").glob("step-*")] == [saved.name]
+    assert f"saved     {saved}" in slurm.hpcgpu("status", again).stdout
 
 
 def test_a_requeued_job_shows_requeued_while_it_waits(slurm):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,8 +92,13 @@ def command_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[su
         "envdump": dump,
         "exit7": "import os, sys; sys.exit(7 if os.environ['RANK'] == '1' else 0)",
         "killed": "import os, signal; os.environ['RANK'] == '2' and os.kill(os.getpid(), signal.SIGKILL)",
-        # every rank fails on its own at one moment (the same bug in all): none of them was "stopped"
-        "together": (f"import os, sys, time; time.sleep(max(0.0, {time.time() + 8} - time.time())); "
+        # every rank fails on its own at one moment (the same bug in all): none of them was "stopped".
+        # A barrier first (a file per rank), then one moment a second after the last rank got there: a
+        # fixed time failed where a rank of a loaded machine was still starting when the others exited
+        "together": ("import glob, os, sys, time; ready = os.path.join(os.environ['OUT'], 'ready-'); "
+                     "open(ready + os.environ['RANK'], 'w').close()\n"
+                     "while len(glob.glob(ready + '*')) < 3: time.sleep(0.01)\n"
+                     "time.sleep(max(0.0, max(os.path.getmtime(p) for p in glob.glob(ready + '*')) + 1 - time.time()))\n"
                      "sys.exit(3 + int(os.environ['RANK']))"),
     }
     folders = {key: tmp_path_factory.mktemp(key) for key in codes}
@@ -341,6 +347,66 @@ def test_a_second_interrupt_after_the_window_kills_and_copies_within_it_do_not(t
         (run_dir,) = (tmp_path / "runs" / "deaf").iterdir()
         (job,) = [j for j in json.loads(status.stdout) if j["run_dir"] == str(run_dir.resolve())]
         assert job["state"] == "CANCELLED" and "second interrupt" in job["reason"]
+    finally:
+        stop(proc, marker)
+
+
+def hpcgpu(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcgpu", *args], capture_output=True, text=True,
+                          env=env or job_env(), cwd=tmp_path, timeout=120)
+
+
+def job_of(tmp_path: Path, name: str) -> str:
+    """The local job id `submit` announced in its output."""
+    found = re.search(r"job (local-\d+) \(local\)", (tmp_path / f"{name}.out").read_text())
+    assert found, (tmp_path / f"{name}.out").read_text()
+    return found.group(1)
+
+
+def test_cancel_checkpoints_and_status_says_how_to_go_on_and_the_resume_says_where_from(tmp_path: Path) -> None:
+    """`hpcgpu cancel` says it checkpoints first; status names the checkpoint and the exact command that
+    resumes it; that command (at another width) resumes, and the new job's status says from where."""
+    marker = str(tmp_path / "runs")
+    proc, run_dir = start_long_train(tmp_path, "cancelme")
+    try:
+        job = job_of(tmp_path, "cancelme")
+        done = hpcgpu(tmp_path, "cancel", job)
+        assert done.stdout.strip() == (f"asked {job} to stop: it stops at its next checkpoint; "
+                                       f"`hpcgpu cancel --now {job}` stops it without one"), done.stdout + done.stderr
+        assert proc.wait(timeout=90) == EXIT_STOPPED
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        step = next(r["step"] for r in records if r.get("kind") == "stop")
+        status = hpcgpu(tmp_path, "status", job).stdout
+        assert "state     CANCELLED" in status and f"hpcgpu cancel: stopped at step {step}" in status, status
+        assert f"saved     {run_dir / 'checkpoints' / f'step-{step:08d}'} (step {step}, the newest complete " \
+               "checkpoint)" in status, status
+        command = f"hpcgpu submit {tmp_path / 'cancelme.yaml'} --executor local"
+        assert f"go on     {command} (resumes this run dir)" in status, status
+        assert hpcgpu(tmp_path, "cancel", job).stdout.strip() == f"{job} already ended (CANCELLED)"
+        # the command status gave, at 1 rank instead of 2, stopped again right after its first step
+        again = hpcgpu(tmp_path, *command.split()[1:], "--gpus", "1", env=job_env(HPCGPU_SIGNAL_AT=str(step + 1)))
+        assert again.returncode == EXIT_STOPPED and f"resuming the unfinished run {run_dir} from step {step}" \
+            in again.stderr, again.stderr[-2000:]
+        resumed = re.search(r"job (local-\d+) \(local\)", again.stderr).group(1)  # type: ignore[union-attr]
+        assert f"resumed   from step {step} (at 1 GPU, was 2)" in hpcgpu(tmp_path, "status", resumed).stdout
+        assert "resumed" not in hpcgpu(tmp_path, "status", job).stdout  # the earlier job did not resume
+    finally:
+        stop(proc, marker)
+
+
+def test_cancel_now_kills_without_a_checkpoint(tmp_path: Path) -> None:
+    marker = str(tmp_path / "runs")
+    proc, run_dir = start_long_train(tmp_path, "cancelnow")
+    try:
+        job = job_of(tmp_path, "cancelnow")
+        done = hpcgpu(tmp_path, "cancel", "--now", job)
+        assert done.returncode == 0 and "now, without a checkpoint" in done.stdout, done.stdout + done.stderr
+        assert proc.wait(timeout=60) == 130
+        assert not rank_processes(marker)
+        assert '"kind": "stop"' not in (run_dir / "metrics.jsonl").read_text()
+        assert not list((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").exists() else True
+        (view,) = [j for j in json.loads(hpcgpu(tmp_path, "list", "--json").stdout) if j["id"] == job]
+        assert (view["state"], view["reason"]) == ("CANCELLED", "hpcgpu cancel: killed without a checkpoint")
     finally:
         stop(proc, marker)
 

@@ -316,7 +316,7 @@ def test_status_list_logs_cancel_of_local_jobs(tmp_path):
     done = hpcgpu("logs", "local-1", "--rank", "5", env=env)
     assert done.returncode == 2 and done.stderr == "hpcgpu: error: --rank 5: job local-1 has 2 rank(s), 0-1\n"
     done = hpcgpu("cancel", "local-1", env=env)
-    assert done.returncode == 0 and "not running" in done.stdout
+    assert done.returncode == 0 and done.stdout == "local-1 already ended (FAILED)\n"  # SLURM's words
     done = hpcgpu("status", "nope", env=env)
     assert done.returncode == 2 and done.stderr.startswith("hpcgpu: error: no job 'nope'")
 
