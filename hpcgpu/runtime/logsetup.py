@@ -51,7 +51,15 @@ class OncePerText(logging.Filter):
 
 
 class WarningsFile(logging.FileHandler):
-    """The handler `route_warnings` installs (known by its class when a process starts another run)."""
+    """The handler `route_warnings` installs (known by its class when a process starts another run),
+    opened at the first warning: a run without any gets no logs/ folder from it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, delay=True)
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
 
 
 def route_warnings(env: DistEnv, log_file: Path) -> None:
@@ -61,8 +69,7 @@ def route_warnings(env: DistEnv, log_file: Path) -> None:
     for old in [h for h in logger.handlers if isinstance(h, WarningsFile)]:
         logger.removeHandler(old)
         old.close()
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    handler = WarningsFile(log_file, delay=True)  # the file is opened at the first warning
+    handler = WarningsFile(log_file)
     handler.setFormatter(line_format(env))
     handler.addFilter(OncePerText())
     logger.addHandler(handler)
