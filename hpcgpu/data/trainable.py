@@ -129,7 +129,8 @@ def untrained_problem(key: str, value: str, data_format: str, note: Optional[Not
             return None  # the row check (or the job's reader) says what is wrong
         if whole and (refusal := tally.refusal()):
             return refusal
-        text = tally.note("" if whole else f" in its first {max(1, round(read / 2 ** 20))} MiB (the job counts them all)")
+        scope = f" in its first {max(1, round(read / 2 ** 20))} MiB (the job counts them all)"
+        text = tally.note("" if whole else scope)
     if text and note:
         note(f"note: {key}: {text}")
     return None
