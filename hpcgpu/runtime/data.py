@@ -211,7 +211,8 @@ def untrained_note(data: PreparedData, starts: np.ndarray, lengths: np.ndarray, 
                           "comes sooner")
     long = (lengths > seq_len) & ~trains
     lost = trained_in(data.mask, starts[long] + seq_len, starts[long] + lengths[long]) > 0
-    words = [note for note in (manifest_note(data.manifest),) if note]
+    note = manifest_note(data.manifest)
+    words = [note] if note else []
     if lost.any():
         words.append(f"{int(lost.sum()):,} lose every trainable token to the seq_len={seq_len} cut")
     return "".join(f"; {w}" for w in words)
