@@ -9,6 +9,7 @@ import click
 from hpcgpu.cli.options import spec_options
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import UsageError
+from hpcgpu.launch.chain import AFTER, references
 from hpcgpu.launch.resolve import SBATCH, resolve
 from hpcgpu.launch.rundir import make_run_dir, run_dir_path, runs_dir_error, write_atomic
 from hpcgpu.launch.sbatch import render_sbatch
@@ -27,6 +28,10 @@ def sbatch(spec_file: str, overrides: tuple[str, ...], gpus: int | None, nodes: 
         # one script is one job: rendering only the first point would silently drop the others
         raise UsageError(f"the spec sweeps {', '.join(spec.sweep)}: `hpcgpu submit` runs a sweep as one job "
                          "array; for a single script, pick values with --set and --set sweep={}")
+    if references(spec):  # before the host checks, which would look for a file named ${after}/...
+        raise UsageError(f"the spec uses {AFTER} (the run dir of the job it follows), which only `hpcgpu submit "
+                         "--after JOB` fills in; for a script, give those values with --set (e.g. --set "
+                         "model.name_or_path=DIR)")
     if output and Path(output).parent and not Path(output).parent.exists():
         raise UsageError(f"-o {output}: the folder {Path(output).parent} does not exist")
     # env_passthrough only warns: the script takes the values from the shell that runs `sbatch` later

@@ -76,6 +76,15 @@ def test_errors_are_one_line_exit_2(tmp_path: Path, spec_extra: dict, args: list
     assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_sbatch_of_a_spec_with_after_says_how_to_fill_it_in(tmp_path: Path) -> None:
+    """sbatch has no --after: it names ${after} and --set, not a missing file called ${after}/model."""
+    spec = write_spec_file(tmp_path, one_rank("two", model={"name_or_path": "${after}/model"}))
+    proc = hpcgpu(["sbatch", str(spec)], job_env(HPCGPU_REGISTRY=str(tmp_path / "jobs.db")), tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "${after}" in proc.stderr and "--set model.name_or_path=DIR" in proc.stderr, proc.stderr
+    assert "file not found" not in proc.stderr
+
+
 def test_an_upstream_that_failed_refuses_at_once(tmp_path: Path) -> None:
     registry = tmp_path / "jobs.db"
     Registry(registry).add(JobRecord("", "one", "one.yaml", str(tmp_path), "local", state="FAILED"))
