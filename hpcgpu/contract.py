@@ -75,6 +75,15 @@ def folder_written_whole(out: Path) -> Iterator[Path]:
     os.replace(tmp, out)
 
 
+def compile_cache(runs_dir: str | Path) -> Path:
+    """The compiled kernels of every run under runs_dir: torch.compile's inductor and Triton caches
+    (TORCHINDUCTOR_CACHE_DIR, inductor/) and FlashInfer's (FLASHINFER_WORKSPACE_BASE), where the user has
+    not set them. One folder for the runs folder, not one a run: a second run on the machine (or the
+    cluster's shared filesystem) and a requeued job both find what the first start compiled (the caches
+    key their entries by torch/FlashInfer version, GPU and code, so runs can share them)."""
+    return Path(runs_dir).expanduser() / ".compile-cache"
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Every path of one run dir, derived in one place."""
@@ -115,12 +124,6 @@ class RunPaths:
     def nccl_traces(self) -> Path:
         """NCCL's flight recorder dumps (rank_<N>), written by every rank when a collective times out."""
         return self.run_dir / "nccl-trace"
-
-    @property
-    def compile_cache(self) -> Path:
-        """torch.compile's inductor and Triton caches (TORCHINDUCTOR_CACHE_DIR) of the run's jobs: a
-        requeued or resumed job on any node finds the kernels its first start compiled."""
-        return self.run_dir / "compile-cache"
 
     @property
     def code(self) -> Path:

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hpcgpu.contract import ENV_GPU_MEMORY, RunPaths, is_finished
+from hpcgpu.contract import ENV_GPU_MEMORY, RunPaths, compile_cache, is_finished
 from hpcgpu.errors import HpcgpuError
 from hpcgpu.gpu.estimate import (MaxMemory, compute_bytes, config_weight_bytes, fewest_gpus_per_replica, fmt_bytes,
                                  infer_dims, parse_max_memory, row_bytes_per_gpu, rows_room, why_batches)
@@ -453,7 +453,7 @@ class SlotRunner:
             slots=slots, width=slot_engine.cache_width(ids, inf.max_new_tokens), max_new_tokens=inf.max_new_tokens,
             eos=eos, pad=pad, sampler=slot_engine.Sampler(inf.temperature, inf.top_k, inf.top_p), seed=inf.seed,
             stop_at=stop_finder(inf.stop, codec) if inf.stop else None, refill=inf.refill,
-            compile=device.type == "cuda")
+            compile=device.type == "cuda", attention=inf.attention)
         self.engine = slot_engine.SlotEngine(model, device, ids, settings)
 
     def describe(self) -> dict[str, Any]:
@@ -853,8 +853,10 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     if ctx.is_main:
         outputs.repair_all(paths)
     ctx.barrier()  # no replica reads the replica files before they are whole
-    if why is None and ctx.device.type == "cuda":  # the slot engine compiles its decode step: cached in the run
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.compile_cache))
+    if why is None and ctx.device.type == "cuda":  # the slot engine's compiled decode step and kernels: cached
+        cache = compile_cache(spec.runs_dir)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(cache))  # read when flashinfer is imported
     engine = make_engine(spec, model, codec, ids, rows, ctx.device, plan.inference.batch_size, why)
     tracking = metrics.tracking
     if tracking is not None:

@@ -1,0 +1,119 @@
+"""Decode attention through FlashInfer's paged decode kernel (infer.attention: flashinfer, or auto where
+it is installed): what the slot engine (runtime/slots.py) calls for every layer of a decode step.
+
+The slot cache is stored (slots, width, KV heads, head dim), contiguous: read as FlashInfer's NHD paged
+cache it is slots x width pages of page_size 1, so a slot's live columns [start, col] are the pages
+slot x width + start ... slot x width + col, whatever the column a row starts at (rows are left-padded
+in their prefill group). The kernel reads those pages only: a step costs the bytes of the rows in flight.
+
+Planned once, for every slot at the cache's full width, in FlashInfer's CUDA-graph mode (fixed buffers);
+each step then writes the slots' page lists (indptr, indices) into those buffers on the device, inside
+the captured graph, so the host never plans or syncs between steps. This holds only where FlashInfer
+does not split a slot's KV over several blocks: with as many (slot, KV head) pairs as the GPU runs
+blocks at once it never does; with fewer it would, and its split follows the planned lengths, not the
+step's: `plan_splits` tells the engine, which then attends through the varlen kernel instead.
+
+Kernels: FlashInfer compiles them at the first use on a machine (nvcc, ninja), into
+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer (the caller points it at the runs folder's compile cache
+where the user has not set it), and loads them from there afterwards.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partials; its docs' size)
+HEAD_DIMS = (64, 128, 256)  # the head dims FlashInfer's decode kernels are built for
+
+
+def unavailable(dtype: torch.dtype, dim: int) -> str | None:
+    """Why FlashInfer's decode cannot run this model here (None: it can): the package, the dtype, the
+    head dim. The GPU's generation is the caller's check (the varlen kernel needs the same)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{str(dtype).replace('torch.', '')} weights (FlashInfer takes fp16 and bf16)"
+    if dim not in HEAD_DIMS:
+        return f"head dim {dim} (FlashInfer's decode takes {', '.join(map(str, HEAD_DIMS))})"
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - not installed, or a build that does not load here
+        first = next((x for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+        return f"FlashInfer is not importable ({first[:160]}; pip install 'hpcgpu[flashinfer]')"
+    return None
+
+
+def page_lists(start: torch.Tensor, col: torch.Tensor, width: int, places: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The paged cache's lists for slots whose live columns are [start, col] in a (slots, width) cache of
+    pages of one column: (indptr[1:], the slots' ends in the list; indices, the page at each place, valid
+    up to the last end), at fixed shapes (places: arange(slots x width)), with no host sync."""
+    lengths = (col - start + 1).to(torch.int32)
+    ends = torch.cumsum(lengths, 0, dtype=torch.int32)
+    slot = torch.searchsorted(ends, places, right=True).clamp_(max=len(start) - 1)
+    first = ends[slot] - lengths[slot]
+    return ends, (slot * width + start.to(torch.int32)[slot] + places - first).to(torch.int32)
+
+
+class FlashInferDecode:
+    """FlashInfer's batch decode over the slot cache: `update` (each step's page lists, on the device),
+    `attend` (one layer). `setup_s`: import, plan and the kernels' first load or compile."""
+
+    def __init__(self, slots: int, width: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        t0 = time.perf_counter()
+        import flashinfer
+
+        self.slots, self.width, self.heads, self.kv_heads, self.dim = slots, width, heads, kv_heads, dim
+        int32 = dict(dtype=torch.int32, device=device)
+        self.indptr = torch.arange(slots + 1, **int32) * width
+        self.indices = torch.arange(slots * width, **int32)
+        self.last_page_len = torch.ones(slots, **int32)
+        self.pages = torch.arange(slots * width, **int32)  # a page's place in the flat list of live pages
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
+            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last_page_len)
+        self.dtype = dtype
+        self.scale: float | None = None
+        self.plan(dim ** -0.5)
+        torch.cuda.synchronize(device)
+        self.setup_s = time.perf_counter() - t0
+
+    def plan(self, scale: float) -> None:
+        """FlashInfer's plan for every slot at the full width (its page lists are rewritten each step)."""
+        n, w = self.slots, self.width
+        self.wrapper.plan(torch.arange(n + 1, dtype=torch.int32) * w, torch.arange(n * w, dtype=torch.int32),
+                          torch.ones(n, dtype=torch.int32), self.heads, self.kv_heads, self.dim, 1,
+                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+        self.scale = scale
+
+    def plan_splits(self) -> bool:
+        """Whether FlashInfer split a slot's KV over several blocks in its plan (DecodePlanInfo's last
+        field): then a step's page lists may not outgrow the plan's tiles, and this path cannot run."""
+        info = getattr(self.wrapper, "_plan_info", None)
+        return bool(info[9]) if isinstance(info, (list, tuple)) and len(info) > 9 else True
+
+    def update(self, start: torch.Tensor, col: torch.Tensor) -> None:
+        """Each slot's live columns [start, col] as its pages, written into the plan's buffers in place
+        (device ops only: a captured step replays them)."""
+        ends, indices = page_lists(start, col, self.width, self.pages)
+        self.indptr[1:].copy_(ends)
+        self.indices.copy_(indices)
+
+    @torch.compiler.disable
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """One query token a slot: query (slots, heads, 1, dim), key/value the flat cache (slots x width,
+        KV heads, dim); (slots, 1, heads, dim) back."""
+        if scale != self.scale:  # a model of another attention scale: planned again (before any capture)
+            self.plan(scale)
+        q = query.transpose(1, 2).reshape(self.slots, self.heads, self.dim)
+        pages = (key.view(-1, 1, self.kv_heads, self.dim), value.view(-1, 1, self.kv_heads, self.dim))
+        out = self.wrapper.run(q, pages)
+        return out.reshape(self.slots, 1, self.heads, self.dim)
+
+    def describe(self) -> str:
+        """Where its kernels came from, for the start-up line."""
+        from flashinfer.jit import env
+
+        return f"kernels ready in {self.setup_s:.1f}s, cached in {env.FLASHINFER_CACHE_DIR}"
