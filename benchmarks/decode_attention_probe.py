@@ -1,10 +1,27 @@
 """Decode attention formulations side by side on one GPU, no model: one query token a slot over a KV cache
 of N slots x W columns (grouped-query heads), what the slot engine's step spends most of its time in at
 hundreds of slots. Prints one JSON line a formulation: microseconds a call (median of 5 x 20 calls, CUDA
-events), the K+V bytes it had to read (live columns for varlen, the view's columns for the rest) over that
-time, and its largest error against an fp32 reference.
+events), the K+V bytes it had to read (live columns for varlen and FlashInfer, the view's columns for the
+rest) over that time, and its largest error against an fp32 reference.
 
-    python benchmarks/decode_attention_probe.py [--slots 512] [--width 640] [--view 640] [--compile]
+    python benchmarks/decode_attention_probe.py [--slots 512] [--width 640] [--view 640] [--compile] \
+        [--forms varlen,flashinfer,flashinfer graph]
+
+The flashinfer rows (issue #46; FlashInfer 0.5.3, imported only there: where it is not importable a row
+says so and the others go on): BatchDecodeWithPagedKVCacheWrapper over the slot cache as it is, (slots,
+width, KV heads, dim) contiguous = NHD pages of page_size 1 (`k.view(slots * width, 1, kv, dim)`), each
+slot's live columns [start, col] its pages (indptr = the cumulative live lengths, indices = slot x width +
+start + j, last_page_len all 1), sm_scale dim^-0.5, no positional encoding.
+  flashinfer        use_cuda_graph=False, planned at the exact lengths; compile_s: the first plan and
+                    call (FlashInfer's JIT compile of the kernel, or its cache: FLASHINFER_WORKSPACE_BASE),
+                    plan_ms: a plan once compiled (host work the engine pays where it replans)
+  flashinfer graph  the engine's way: use_cuda_graph=True with its own indptr/indices/last_page_len
+                    buffers, planned ONCE at full width (every slot width columns), then the buffers
+                    overwritten with the live pages on the device before the calls, and the call captured
+                    in a CUDA graph and replayed (us: a replay). Valid only where the plan does not split
+                    the KV (a split's chunks are planned for the lengths given): split_kv and
+                    padded_batch_size of both plans (wrapper._plan_info: DecodePlanInfo's last and first
+                    fields) are printed, and its max_err against the reference says whether it held.
 
 A probe for the engine's development (runtime/slots.py), not a comparison of programs.
 """
@@ -25,6 +42,7 @@ def main() -> None:
     ap.add_argument("--kv", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--forms", default="", help="comma-separated forms to run (default: all)")
     a = ap.parse_args()
     n, W, w, h, kv, d = a.slots, a.width, a.view, a.heads, a.kv, a.dim
     g = h // kv
@@ -115,11 +133,24 @@ def main() -> None:
         forms.update({"kq fp32, compiled": torch.compile(lambda: kq(True)),
                       "kq bf16, compiled": torch.compile(lambda: kq(False)),
                       "reduce, compiled": torch.compile(reduce_form)})
+    # the flashinfer rows (None: built in their row, where FlashInfer is imported), right after varlen
+    forms = {"varlen": forms.pop("varlen"), "flashinfer": None, "flashinfer graph": None, **forms}
+    live_pages = flashinfer_pages(start, used, W)
     live_bytes = int(used.sum()) * kv * d * 2 * 2
     view_bytes = n * w * kv * d * 2 * 2
+    only = [f.strip() for f in a.forms.split(",") if f.strip()]
     for name, fn in forms.items():
+        if only and name not in only:
+            continue
+        extra: dict = {}
         try:
             with torch.inference_mode():
+                if fn is None:
+                    fn, extra = flashinfer_form(name, q.reshape(n, h, d), kr.view(n * W, 1, kv, d),
+                                                vr.view(n * W, 1, kv, d), live_pages, n, W, h, kv, d, scale)
+                    if fn is None:
+                        print(json.dumps({"form": name, **extra}), flush=True)
+                        continue
                 out = fn()
                 err = (out.float() - ref).abs().max().item()
                 times = []
@@ -132,11 +163,99 @@ def main() -> None:
                     torch.cuda.synchronize()
                     times.append(a0.elapsed_time(b0) / 20 * 1e3)
             us = sorted(times)[2]
-            read = live_bytes if name == "varlen" else view_bytes
+            read = live_bytes if name == "varlen" or name.startswith("flashinfer") else view_bytes
             print(json.dumps({"form": name, "slots": n, "view": w, "us": round(us, 1), "read_mb": round(read / 1e6),
-                              "tb_s": round(read / us / 1e6, 2), "max_err": round(err, 4)}), flush=True)
+                              "tb_s": round(read / us / 1e6, 2), "max_err": round(err, 4), **extra}), flush=True)
         except Exception as exc:
             print(json.dumps({"form": name, "error": f"{type(exc).__name__}: {exc}"[:300]}), flush=True)
+
+
+def flashinfer_pages(start: torch.Tensor, used: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+    """Each slot's live columns as pages of one token of the (slots * width)-page cache: indptr (the
+    cumulative live lengths), indices (slot * width + start + j), last_page_len (all 1); int32, on the GPU."""
+    n = len(used)
+    used = used.int()
+    indptr = torch.zeros(n + 1, dtype=torch.int32, device=used.device)
+    indptr[1:] = used.cumsum(0)
+    first = torch.repeat_interleave(torch.arange(n, device=used.device) * width + start, used)
+    within = torch.arange(int(indptr[-1]), device=used.device) - torch.repeat_interleave(indptr[:-1], used)
+    return {"indptr": indptr, "indices": (first + within).int(), "last": torch.ones(n, dtype=torch.int32,
+                                                                                   device=used.device)}
+
+
+def plan_fields(wrapper) -> dict:
+    """split_kv and padded_batch_size of a decode plan: the last and first fields of FlashInfer's
+    DecodePlanInfo (wrapper._plan_info, a private list of ints: "?" where that changed)."""
+    try:
+        info = [int(x) for x in wrapper._plan_info]
+        return {"split_kv": info[-1], "padded_batch_size": info[0]}
+    except Exception as exc:
+        return {"split_kv": "?", "padded_batch_size": "?", "plan_info": f"{type(exc).__name__}: {exc}"[:120]}
+
+
+def flashinfer_form(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: dict[str, torch.Tensor],
+                    n: int, width: int, h: int, kv: int, d: int, scale: float):
+    """(the call to time, what to print beside it) of a flashinfer row; (None, why) where it cannot run."""
+    import time
+
+    try:
+        import flashinfer
+    except Exception as exc:  # not installed, or its import fails on this machine
+        return None, {"error": f"flashinfer not importable: {type(exc).__name__}: {exc}"[:300]}
+    plan_kw = dict(num_qo_heads=h, num_kv_heads=kv, head_dim=d, page_size=1, pos_encoding_mode="NONE",
+                   q_data_type=q.dtype, kv_data_type=k.dtype, sm_scale=scale)
+    workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=q.device)
+    extra: dict = {"flashinfer": getattr(flashinfer, "__version__", "?")}
+    if name == "flashinfer":
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        wrapper.plan(pages["indptr"], pages["indices"], pages["last"], **plan_kw)
+        wrapper.run(q, (k, v))
+        torch.cuda.synchronize()
+        extra["compile_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        wrapper.plan(pages["indptr"], pages["indices"], pages["last"], **plan_kw)
+        extra["plan_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+        extra.update(plan_fields(wrapper))
+        return (lambda: wrapper.run(q, (k, v)).view(n, 1, h, d)), extra
+    # the engine's way: buffers of its own, planned once at full width, overwritten on the device
+    dev = q.device
+    indptr_buf = torch.arange(n + 1, dtype=torch.int32, device=dev) * width
+    indices_buf = torch.arange(n * width, dtype=torch.int32, device=dev)
+    last_buf = torch.ones(n, dtype=torch.int32, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr_buf,
+        paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    wrapper.plan(indptr_buf.clone(), indices_buf.clone(), last_buf.clone(), **plan_kw)
+    full = plan_fields(wrapper)
+    indptr_buf.copy_(pages["indptr"])
+    indices_buf[: len(pages["indices"])].copy_(pages["indices"])
+    last_buf.copy_(pages["last"])
+    out = torch.empty_like(q)
+    wrapper.run(q, (k, v), out=out)
+    torch.cuda.synchronize()
+    extra["compile_s"] = round(time.perf_counter() - t0, 2)
+    extra.update(full)
+    exact = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace.clone(), "NHD", use_cuda_graph=False)
+    exact.plan(pages["indptr"], pages["indices"], pages["last"], **plan_kw)
+    extra["split_kv_at_exact_lengths"] = plan_fields(exact)["split_kv"]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wrapper.run(q, (k, v), out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, (k, v), out=out)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out.view(n, 1, h, d)
+
+    return replay, extra
 
 
 if __name__ == "__main__":

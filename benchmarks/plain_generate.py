@@ -30,7 +30,9 @@ by hpcgpu (it decodes the completion's tail).
 Prints one JSON line: rows, generated tokens (each row's up to its end: end-of-sequence token or stop
 string), prompt tokens, the prompt tokens with their padding, and elapsed_s: the generation loop
 alone (padding, generate, decoding, writing), after the model loaded (and after the warmup), between
-two torch.cuda.synchronize(). Needs only torch and transformers.
+two torch.cuda.synchronize(); and outputs_at, the wall clock (time.time()) once the output file is
+closed: the benchmark's end-to-end time runs from this process's spawn to it. Needs only torch and
+transformers.
 """
 from __future__ import annotations
 
@@ -179,12 +181,13 @@ def main(argv: list[str]) -> int:
     if on_gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
+    outputs_at = time.time()  # the output file is closed: where benchmarks/infer_throughput.py's end to end ends
     print(json.dumps({"rows": len(rows), "tokens": gen_tokens, "prompt_tokens": prompt_tokens,
                       "padded_prompt_tokens": padded_tokens, "batches": len(batches), "elapsed_s": elapsed,
                       "rows_per_s": len(rows) / elapsed, "tokens_per_s": gen_tokens / elapsed,
                       "sorted": args.sort, "cache": args.cache, "warmup_s": warmup_s,
                       "no_cudnn_attention": args.no_cudnn_attention, "device": str(device),
-                      "dtype": str(dtype).replace("torch.", ""), "slots": args.batch_size,
+                      "dtype": str(dtype).replace("torch.", ""), "slots": args.batch_size, "outputs_at": outputs_at,
                       **({"batch_s": batch_s} if args.verbose else {})}))
     return 0
 
