@@ -91,8 +91,10 @@ class FlashInferDecode:
     def plan_splits(self) -> bool:
         """Whether FlashInfer split a slot's KV over several blocks in its plan (DecodePlanInfo's last
         field): then a step's page lists may not outgrow the plan's tiles, and this path cannot run."""
-        info = getattr(self.wrapper, "_plan_info", None)
-        return bool(info[9]) if isinstance(info, (list, tuple)) and len(info) > 9 else True
+        try:  # a tvm-ffi Array of DecodePlanInfo's 10 fields, split_kv last
+            return bool(list(self.wrapper._plan_info)[9])
+        except (AttributeError, TypeError, IndexError):  # another FlashInfer's plan: assume it splits
+            return True
 
     def update(self, start: torch.Tensor, col: torch.Tensor) -> None:
         """Each slot's live columns [start, col] as its pages, written into the plan's buffers in place
