@@ -5,7 +5,7 @@ events), the K+V bytes it had to read (live columns for varlen and FlashInfer, t
 rest) over that time, and its largest error against an fp32 reference.
 
     python benchmarks/decode_attention_probe.py [--slots 512] [--width 640] [--view 640] [--compile] \
-        [--forms varlen,flashinfer,flashinfer graph]
+        [--forms "varlen,flashinfer,flashinfer graph,flashinfer graph tc"]
 
 The flashinfer rows (issue #46; FlashInfer 0.5.3, imported only there: where it is not importable a row
 says so and the others go on): BatchDecodeWithPagedKVCacheWrapper over the slot cache as it is, (slots,
@@ -15,13 +15,13 @@ start + j, last_page_len all 1), sm_scale dim^-0.5, no positional encoding.
   flashinfer        use_cuda_graph=False, planned at the exact lengths; compile_s: the first plan and
                     call (FlashInfer's JIT compile of the kernel, or its cache: FLASHINFER_WORKSPACE_BASE),
                     plan_ms: a plan once compiled (host work the engine pays where it replans)
-  flashinfer graph  the engine's way: use_cuda_graph=True with its own indptr/indices/last_page_len
-                    buffers, planned ONCE at full width (every slot width columns), then the buffers
-                    overwritten with the live pages on the device before the calls, and the call captured
-                    in a CUDA graph and replayed (us: a replay). Valid only where the plan does not split
-                    the KV (a split's chunks are planned for the lengths given): split_kv and
-                    padded_batch_size of both plans (wrapper._plan_info: DecodePlanInfo's last and first
-                    fields) are printed, and its max_err against the reference says whether it held.
+  flashinfer graph  the engine's way, through its own class (hpcgpu/runtime/flashinfer_decode.py
+                    FlashInferDecode): use_cuda_graph=True, planned ONCE at full width, each call writing
+                    the slots' page lists on the device (update), captured in a CUDA graph and replayed
+                    (us: a replay); compile_s: its setup (import, plan, the kernel's JIT or cache);
+                    split_kv: whether that plan split (then the engine takes the tensor-core kernel)
+  flashinfer graph tc  the same with FlashInfer's tensor-core kernel planned with disable_split_kv (what
+                    the engine runs with too few slots for the CUDA-core kernel to go unsplit)
 
 A probe for the engine's development (runtime/slots.py), not a comparison of programs.
 """
@@ -134,7 +134,8 @@ def main() -> None:
                       "kq bf16, compiled": torch.compile(lambda: kq(False)),
                       "reduce, compiled": torch.compile(reduce_form)})
     # the flashinfer rows (None: built in their row, where FlashInfer is imported), right after varlen
-    forms = {"varlen": forms.pop("varlen"), "flashinfer": None, "flashinfer graph": None, **forms}
+    forms = {"varlen": forms.pop("varlen"), "flashinfer": None, "flashinfer graph": None, "flashinfer graph tc": None,
+             **forms}
     live_pages = flashinfer_pages(start, used, W)
     live_bytes = int(used.sum()) * kv * d * 2 * 2
     view_bytes = n * w * kv * d * 2 * 2
@@ -147,7 +148,8 @@ def main() -> None:
             with torch.inference_mode():
                 if fn is None:
                     fn, extra = flashinfer_form(name, q.reshape(n, h, d), kr.view(n * W, 1, kv, d),
-                                                vr.view(n * W, 1, kv, d), live_pages, n, W, h, kv, d, scale)
+                                                vr.view(n * W, 1, kv, d), live_pages, n, W, h, kv, d, scale,
+                                                start, used)
                     if fn is None:
                         print(json.dumps({"form": name, **extra}), flush=True)
                         continue
@@ -194,7 +196,8 @@ def plan_fields(wrapper) -> dict:
 
 
 def flashinfer_form(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: dict[str, torch.Tensor],
-                    n: int, width: int, h: int, kv: int, d: int, scale: float):
+                    n: int, width: int, h: int, kv: int, d: int, scale: float, start: torch.Tensor,
+                    used: torch.Tensor):
     """(the call to time, what to print beside it) of a flashinfer row; (None, why) where it cannot run."""
     import time
 
@@ -219,41 +222,30 @@ def flashinfer_form(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         extra["plan_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
         extra.update(plan_fields(wrapper))
         return (lambda: wrapper.run(q, (k, v)).view(n, 1, h, d)), extra
-    # the engine's way: buffers of its own, planned once at full width, overwritten on the device
-    dev = q.device
-    indptr_buf = torch.arange(n + 1, dtype=torch.int32, device=dev) * width
-    indices_buf = torch.arange(n * width, dtype=torch.int32, device=dev)
-    last_buf = torch.ones(n, dtype=torch.int32, device=dev)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr_buf,
-        paged_kv_indices_buffer=indices_buf, paged_kv_last_page_len_buffer=last_buf)
+    # the engine's way, through its own class (hpcgpu/runtime/flashinfer_decode.py): planned once at the full
+    # width in CUDA-graph mode, each call writing the slots' page lists on the device, replayed as a graph;
+    # "flashinfer graph tc": its tensor-core kernel, planned unsplit (what the engine takes with few slots)
+    from hpcgpu.runtime.flashinfer_decode import FlashInferDecode
+
+    col = start + used.to(start.dtype) - 1
+    kernel = FlashInferDecode(n, width, h, kv, d, q.dtype, q.device, tensor_cores=name.endswith(" tc"))
+    extra.update({"compile_s": round(kernel.setup_s, 2), "split_kv": int(kernel.plan_splits()),
+                  "tensor_cores": kernel.tensor_cores})
+    q4, kf, vf = q.view(n, h, 1, d), k.view(n * width, kv, d), v.view(n * width, kv, d)
+
+    def step() -> torch.Tensor:
+        kernel.update(start, col)
+        return kernel.attend(q4, kf, vf, scale)
+
+    step()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    wrapper.plan(indptr_buf.clone(), indices_buf.clone(), last_buf.clone(), **plan_kw)
-    full = plan_fields(wrapper)
-    indptr_buf.copy_(pages["indptr"])
-    indices_buf[: len(pages["indices"])].copy_(pages["indices"])
-    last_buf.copy_(pages["last"])
-    out = torch.empty_like(q)
-    wrapper.run(q, (k, v), out=out)
-    torch.cuda.synchronize()
-    extra["compile_s"] = round(time.perf_counter() - t0, 2)
-    extra.update(full)
-    exact = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace.clone(), "NHD", use_cuda_graph=False)
-    exact.plan(pages["indptr"], pages["indices"], pages["last"], **plan_kw)
-    extra["split_kv_at_exact_lengths"] = plan_fields(exact)["split_kv"]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        wrapper.run(q, (k, v), out=out)
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        wrapper.run(q, (k, v), out=out)
+        out = step()
 
     def replay() -> torch.Tensor:
         graph.replay()
-        return out.view(n, 1, h, d)
+        return out
 
     return replay, extra
 

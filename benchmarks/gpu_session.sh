@@ -158,8 +158,10 @@ run_step() {
         && export PYTHONPATH="$PYTHONPATH:/tmp/site" \
         && step python3 -c "import flashinfer, tvm_ffi; print('flashinfer', flashinfer.__version__)" ;;
     flashinfer-probe) fits 150 && rm -rf /tmp/fi-probe-ws && step env FLASHINFER_WORKSPACE_BASE=/tmp/fi-probe-ws \
-        timeout 240 python3 benchmarks/decode_attention_probe.py --forms "varlen,flashinfer,flashinfer graph" 2>&1 \
-        | tee "$OUT/flashinfer_probe.log" | tail -20 ;;
+        timeout 240 python3 benchmarks/decode_attention_probe.py --forms "varlen,flashinfer,flashinfer graph,flashinfer graph tc" 2>&1 \
+        | tee "$OUT/flashinfer_probe.log" | tail -20 \
+        && step env FLASHINFER_WORKSPACE_BASE=/tmp/fi-probe-ws timeout 120 python3 benchmarks/decode_attention_probe.py \
+        --slots 128 --forms "varlen,flashinfer graph,flashinfer graph tc" 2>&1 | tee -a "$OUT/flashinfer_probe.log" | tail -8 ;;
     flashinfer-test) fits "${FLASHINFER_TEST_FITS:-150}" && pytest_gpu tests/gpu/test_gpu_slots.py -k flashinfer \
         | tee -a "$OUT/gpu_tests.log" | tail -25 ;;
     infer-extras) fits 100 && infer32 extras --model llama-400m --rows "${HEADLINE_ROWS:-384}" \

@@ -8,10 +8,12 @@ in their prefill group). The kernel reads those pages only: a step costs the byt
 
 Planned once, for every slot at the cache's full width, in FlashInfer's CUDA-graph mode (fixed buffers);
 each step then writes the slots' page lists (indptr, indices) into those buffers on the device, inside
-the captured graph, so the host never plans or syncs between steps. This holds only where FlashInfer
-does not split a slot's KV over several blocks: with as many (slot, KV head) pairs as the GPU runs
-blocks at once it never does; with fewer it would, and its split follows the planned lengths, not the
-step's: `plan_splits` tells the engine, which then attends through the varlen kernel instead.
+the captured graph, so the host never plans or syncs between steps. The kernel reads each slot's length
+from those lists; the plan must only not split a slot's KV over several blocks, since a split follows
+the planned lengths, not the step's. Its CUDA-core decode kernel never splits with as many (slot, KV
+head) pairs as the GPU runs blocks at once (512 slots of 8 KV heads on an H100: `plan_splits`); with
+fewer slots the engine takes its tensor-core kernel planned with `disable_split_kv` (one block a slot
+and KV head, whatever the lengths).
 
 Kernels: FlashInfer compiles them at the first use on a machine (nvcc, ninja), into
 $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer (the caller points it at the runs folder's compile cache
@@ -60,7 +62,7 @@ class FlashInferDecode:
     `attend` (one layer). `setup_s`: import, plan and the kernels' first load or compile."""
 
     def __init__(self, slots: int, width: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, tensor_cores: bool = False):
         t0 = time.perf_counter()
         import flashinfer
 
@@ -72,9 +74,9 @@ class FlashInferDecode:
         self.pages = torch.arange(slots * width, **int32)  # a page's place in the flat list of live pages
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores, paged_kv_indptr_buffer=self.indptr,
             paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last_page_len)
-        self.dtype = dtype
+        self.dtype, self.tensor_cores = dtype, tensor_cores
         self.scale: float | None = None
         self.plan(dim ** -0.5)
         torch.cuda.synchronize(device)
@@ -85,12 +87,16 @@ class FlashInferDecode:
         n, w = self.slots, self.width
         self.wrapper.plan(torch.arange(n + 1, dtype=torch.int32) * w, torch.arange(n * w, dtype=torch.int32),
                           torch.ones(n, dtype=torch.int32), self.heads, self.kv_heads, self.dim, 1,
-                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale)
+                          q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=scale,
+                          disable_split_kv=self.tensor_cores)  # the CUDA-core kernel ignores it
         self.scale = scale
 
     def plan_splits(self) -> bool:
         """Whether FlashInfer split a slot's KV over several blocks in its plan (DecodePlanInfo's last
-        field): then a step's page lists may not outgrow the plan's tiles, and this path cannot run."""
+        field): then a step's page lists may not outgrow the plan's tiles, and this plan cannot run. The
+        tensor-core plan is made with disable_split_kv: it never splits."""
+        if self.tensor_cores:
+            return False
         try:  # a tvm-ffi Array of DecodePlanInfo's 10 fields, split_kv last
             return bool(list(self.wrapper._plan_info)[9])
         except (AttributeError, TypeError, IndexError):  # another FlashInfer's plan: assume it splits
@@ -118,4 +124,6 @@ class FlashInferDecode:
         """Where its kernels came from, for the start-up line."""
         from flashinfer.jit import env
 
-        return f"kernels ready in {self.setup_s:.1f}s, cached in {env.FLASHINFER_CACHE_DIR}"
+        cores = "tensor-core kernel, one block a slot: too few slots for the CUDA-core one" if self.tensor_cores \
+            else "CUDA-core kernel"
+        return f"{cores}; kernels ready in {self.setup_s:.1f}s, cached in {env.FLASHINFER_CACHE_DIR}"

@@ -376,17 +376,20 @@ class SlotEngine:
         self.row: list[int] = [-1] * n  # the input row each slot runs, -1: free
         self.gen: list[list[int]] = [[] for _ in range(n)]
 
-    def _flashinfer(self, dtype: torch.dtype) -> FlashInferDecode | None:
-        """FlashInfer's decode planned for these slots, or None (then varlen, mode_why saying why) where
-        its plan splits a slot's KV: too few slots for the GPU, and a split cannot follow the lengths a
-        captured step writes (runtime/flashinfer_decode.py)."""
+    def _flashinfer(self, dtype: torch.dtype) -> FlashInferDecode:
+        """FlashInfer's decode planned for these slots: its CUDA-core kernel, or where that plan splits a
+        slot's KV (too few slots for the GPU; a split cannot follow the lengths a captured step writes),
+        its tensor-core kernel unsplit (runtime/flashinfer_decode.py)."""
         heads, kv_heads, dim = head_dims(self.model.config)
         kernel = FlashInferDecode(self.s.slots, self.s.width, heads, kv_heads, dim, dtype, self.device)
         if not kernel.plan_splits():
             return kernel
-        self.mode, self.mode_why = "varlen", f"its plan splits the KV at {self.s.slots} slots, too few for this GPU"
-        refused_flashinfer(self.s.attention, self.mode_why + ": give infer.batch_size more slots")
-        return None
+        setup_s = kernel.setup_s
+        del kernel  # its workspace
+        kernel = FlashInferDecode(self.s.slots, self.s.width, heads, kv_heads, dim, dtype, self.device,
+                                  tensor_cores=True)
+        kernel.setup_s += setup_s
+        return kernel
 
     # ------------------------------------------------ the loop
 

@@ -100,16 +100,17 @@ def test_half_precision_engine_takes_the_varlen_kernel_and_gives_generates_token
 
 
 # ---------------------------------------------------------------- FlashInfer (infer.attention)
-# FlashInfer plans once for the full width and the captured step rewrites each slot's page list; that
-# holds where it does not split a slot's KV over blocks: as many (slot, KV head) pairs as the GPU runs
-# blocks at once (~2,100 on an H100). So these run 512 slots of models with 8 KV heads of dim 64.
-FLASH_SLOTS = 512
+# FlashInfer plans once for the full width and the captured step rewrites each slot's page list. Its
+# CUDA-core kernel does so unsplit with as many (slot, KV head) pairs as the GPU runs blocks at once (512
+# slots of 8 KV heads on an H100); with fewer slots the engine takes its tensor-core kernel, unsplit.
 FLASH_CONFIGS = {  # head dim 64 (FlashInfer's kernels take 64, 128, 256); Llama grouped 2 query heads a KV head
     "llama": dict(model_type="llama", hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=128),
     "gpt2": dict(model_type="gpt2", n_layer=2, n_head=8, n_embd=512, n_positions=128, resid_pdrop=0.0,
                  embd_pdrop=0.0, attn_pdrop=0.0),
 }
+EOS = 7
+TIE = 0.02  # a near tie: two tokens within 2% of the logits' range of each other (fp32), where bf16 decides
 
 
 def flash_model(kind: str):
@@ -118,23 +119,24 @@ def flash_model(kind: str):
     config = AutoConfig.for_model(vocab_size=256, initializer_range=0.5, **FLASH_CONFIGS[kind])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    model.generation_config.eos_token_id, model.generation_config.pad_token_id = 7, 0
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, 0
     return model.to(device="cuda", dtype=torch.bfloat16)
 
 
-def test_flashinfer_decode_reads_each_slots_own_columns_inside_a_captured_graph() -> None:
+@pytest.mark.parametrize("slots, tensor_cores", [(512, False), (32, True)])
+def test_flashinfer_decode_reads_each_slots_own_columns_inside_a_captured_graph(slots: int, tensor_cores: bool) -> None:
     """The page lists written on the device inside a captured step follow each slot's [start, col]: the
     replayed graph after the columns moved gives masked sdpa's attention over the new columns."""
     pytest.importorskip("flashinfer")
     from hpcgpu.runtime.flashinfer_decode import FlashInferDecode
 
     torch.manual_seed(0)
-    n, width, heads, kv, dim = FLASH_SLOTS, 256, 16, 8, 64
+    n, width, heads, kv, dim = slots, 256, 16, 8, 64
     dev, dt = torch.device("cuda"), torch.bfloat16
     k = torch.randn(n, width, kv, dim, device=dev, dtype=dt)
     v = torch.randn(n, width, kv, dim, device=dev, dtype=dt)
     q = torch.randn(n, heads, 1, dim, device=dev, dtype=dt)
-    kernel = FlashInferDecode(n, width, heads, kv, dim, dt, dev)
+    kernel = FlashInferDecode(n, width, heads, kv, dim, dt, dev, tensor_cores=tensor_cores)
     assert not kernel.plan_splits()
     start = torch.randint(0, 100, (n,), device=dev)
     col = start + torch.randint(0, 100, (n,), device=dev)
@@ -158,23 +160,50 @@ def test_flashinfer_decode_reads_each_slots_own_columns_inside_a_captured_graph(
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_flashinfer_engine_gives_the_varlen_engines_tokens(kind: str) -> None:
+def engine_tokens(runner) -> dict[int, list[int]]:
+    """Every row's generated token ids through the runner's engine (all rows handed out at once)."""
+    rows = [list(range(ROWS))]
+    out: dict[int, list[int]] = {}
+    with torch.inference_mode():
+        left = runner.engine.run(lambda: rows.pop() if rows else None,
+                                 lambda done: out.update({d.index: d.tokens for d in done}), lambda: False)
+    assert left == 0 and sorted(out) == list(range(ROWS))
+    return out
+
+
+def first_difference_is_a_near_tie(model32, prompt: list[int], a: list[int], b: list[int]) -> bool:
+    """Where two greedy completions part, both tokens are (within TIE) the fp32 model's best next token:
+    bf16 rounding chose, not the attention (a wrong column read gives a token far from the top)."""
+    j = next(j for j in range(max(len(a), len(b))) if j >= min(len(a), len(b)) or a[j] != b[j])
+    x, y = (a[j] if j < len(a) else EOS), (b[j] if j < len(b) else EOS)
+    with torch.inference_mode():
+        logits = model32(input_ids=torch.tensor([prompt + a[:j]], device="cuda")).logits[0, -1].float()
+    tol = TIE * float(logits.max() - logits.min())
+    return float(logits.max() - logits[x]) <= tol and float(logits.max() - logits[y]) <= tol
+
+
+@pytest.mark.parametrize("kind, slots", [("llama", 512), ("gpt2", 512), ("llama", 32)])
+def test_flashinfer_engine_gives_the_varlen_engines_tokens(kind: str, slots: int) -> None:
     """infer.attention flashinfer against varlen, greedy, bf16, both compiled and captured: token for
-    token (up to a rare bf16 near-tie, counted in the message)."""
+    token, except where bf16 broke a near tie (each such row checked against the fp32 model)."""
     pytest.importorskip("flashinfer")
+    import copy
+
     rows, ids = rows_and_ids()
     model = flash_model(kind)
     codec = Codec(ByteTokenizer(), "tiny")
-    device = torch.device("cuda")
     got = {}
     for attention in ("flashinfer", "varlen"):
-        runner = SlotRunner(spec(attention=attention), model, codec, ids, rows, device, slots=FLASH_SLOTS)
+        runner = SlotRunner(spec(attention=attention), model, codec, ids, rows, torch.device("cuda"), slots=slots)
         runner.engine.prepare()
         assert runner.engine.mode == attention, runner.engine.mode_why
         assert runner.engine.graphs and runner.engine.graphs_off_why is None, runner.engine.graphs_off_why
-        got[attention] = run(runner)
-    same = sum(got["flashinfer"][i] == got["varlen"][i] for i in range(ROWS))
-    print(f"{kind}: {same} of {ROWS} rows the same")
-    assert same >= ROWS - 1, [(got["flashinfer"][i], got["varlen"][i]) for i in range(ROWS)
-                              if got["flashinfer"][i] != got["varlen"][i]][:3]
+        if attention == "flashinfer":
+            assert runner.engine.flash.tensor_cores == (slots < 512), runner.engine.attention
+        got[attention] = engine_tokens(runner)
+    differ = [i for i in range(ROWS) if got["flashinfer"][i] != got["varlen"][i]]
+    model32 = copy.deepcopy(model).float()
+    ties = [i for i in differ if first_difference_is_a_near_tie(model32, ids[i], got["flashinfer"][i], got["varlen"][i])]
+    print(f"{kind} at {slots} slots: {ROWS - len(differ)} of {ROWS} rows the same, {len(ties)} parted at a near tie")
+    assert len(differ) <= ROWS // 2 and ties == differ, [(i, got["flashinfer"][i], got["varlen"][i])
+                                                         for i in differ if i not in ties][:3]
