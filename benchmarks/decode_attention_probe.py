@@ -15,13 +15,12 @@ start + j, last_page_len all 1), sm_scale dim^-0.5, no positional encoding.
   flashinfer        use_cuda_graph=False, planned at the exact lengths; compile_s: the first plan and
                     call (FlashInfer's JIT compile of the kernel, or its cache: FLASHINFER_WORKSPACE_BASE),
                     plan_ms: a plan once compiled (host work the engine pays where it replans)
-  flashinfer graph  the engine's way, through its own class (hpcgpu/runtime/flashinfer_decode.py
-                    FlashInferDecode): use_cuda_graph=True, planned ONCE at full width, each call writing
-                    the slots' page lists on the device (update), captured in a CUDA graph and replayed
-                    (us: a replay); compile_s: its setup (import, plan, the kernel's JIT or cache);
-                    split_kv: whether that plan split (then the engine takes the tensor-core kernel)
-  flashinfer graph tc  the same with FlashInfer's tensor-core kernel planned with disable_split_kv (what
-                    the engine runs with too few slots for the CUDA-core kernel to go unsplit)
+  flashinfer graph  what the slot engine would run (benchmarks/flashinfer_graph.py FlashInferDecode, not
+                    in hpcgpu: it failed on an H100, see there): use_cuda_graph=True, planned ONCE at
+                    full width, each call writing the slots' page lists on the device (update), captured
+                    in a CUDA graph and replayed (us: a replay); compile_s: its setup; split_kv: whether
+                    that plan split
+  flashinfer graph tc  the same with FlashInfer's tensor-core kernel planned with disable_split_kv
 
 A probe for the engine's development (runtime/slots.py), not a comparison of programs.
 """
@@ -222,10 +221,10 @@ def flashinfer_form(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         extra["plan_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
         extra.update(plan_fields(wrapper))
         return (lambda: wrapper.run(q, (k, v)).view(n, 1, h, d)), extra
-    # the engine's way, through its own class (hpcgpu/runtime/flashinfer_decode.py): planned once at the full
+    # the engine's way, through benchmarks/flashinfer_graph.py (what the engine would run): planned once at the full
     # width in CUDA-graph mode, each call writing the slots' page lists on the device, replayed as a graph;
     # "flashinfer graph tc": its tensor-core kernel, planned unsplit (what the engine takes with few slots)
-    from hpcgpu.runtime.flashinfer_decode import FlashInferDecode
+    from flashinfer_graph import FlashInferDecode  # benchmarks/: the engine's way, not in hpcgpu (see it)
 
     col = start + used.to(start.dtype) - 1
     kernel = FlashInferDecode(n, width, h, kv, d, q.dtype, q.device, tensor_cores=name.endswith(" tc"))

@@ -45,11 +45,12 @@ round), each variant in a fresh process on those rows, model, batch size, greedy
                     decode step, finished rows' slots refilled)
     hpcgpu auto     the same with --set infer.batch_size=auto: slots from the free memory, at most 512
                     and at most half the rows (two fills): give it rows (--scale) for 512 slots;
-                    infer.attention at its default (auto: FlashInfer's decode where it is installed)
-    hpcgpu auto varlen  the same with --set infer.attention=varlen (PyTorch's flash varlen decode)
+                    infer.attention at its default (auto: the varlen kernel on a GPU)
+    hpcgpu auto varlen  the same with --set infer.attention=varlen (what auto takes today: kept to compare
+                    another decode attention against it)
     hpcgpu auto again   hpcgpu auto once more, right after it in each round: with the compile cache the
                     first run left (every other hpcgpu variant starts with the runs folder's compile
-                    cache emptied, hpcgpu.contract.compile_cache: torch.compile's and FlashInfer's
+                    cache emptied, hpcgpu.contract.compile_cache: torch.compile's
                     kernels, as a first run on a fresh machine); its start-up is the cached one
     hpcgpu batches  --set infer.engine=batches: the previous engine (length-sorted batches, generate)
     hpcgpu norefill --set infer.refill=false: new rows enter only when every slot is free (static batching)
@@ -915,7 +916,7 @@ def in_order(names: list[str]) -> list[str]:
 
 
 def empty_compile_cache(work: Path) -> None:
-    """Removes the compile cache hpcgpu's runs of this benchmark share (torch.compile's and FlashInfer's
+    """Removes the compile cache hpcgpu's runs of this benchmark share (torch.compile's
     kernels, under the spec's runs_dir): the next run starts as the first on a fresh machine."""
     if str(REPO) not in sys.path:
         sys.path.append(str(REPO))
@@ -949,7 +950,7 @@ def throughput_report(args, info, results, texts, extra, notes, setup, rounds, l
         for key, prefix in (("tokens_per_s", ""), ("e2e_tokens_per_s", "e2e ")):
             if name != "plain" and (r := ratio(results, name, "plain", key=key)) is not None:
                 ratios[f"{prefix}{name}/plain"] = r
-    for key, prefix in (("tokens_per_s", ""), ("e2e_tokens_per_s", "e2e ")):  # FlashInfer's decode against varlen's
+    for key, prefix in (("tokens_per_s", ""), ("e2e_tokens_per_s", "e2e ")):  # auto's decode attention against varlen's
         if (r := ratio(results, "hpcgpu auto", "hpcgpu auto varlen", key=key)) is not None:
             ratios[f"{prefix}hpcgpu auto/hpcgpu auto varlen"] = r
     hf = best_hf(results)
@@ -1067,8 +1068,8 @@ def print_throughput(args: argparse.Namespace, rep: dict[str, Any]) -> None:
         same = len(rows_of["hpcgpu auto"] | rows_of["plain"]) == 1
         line("hpcgpu auto / plain, end to end (#46)", "e2e hpcgpu auto/plain", TARGET_AUTO_E2E,
              "" if same or not all(rows_of.values()) else "  (not one job: the row counts differ, see above)")
-        line("auto / auto varlen, loop (FlashInfer vs varlen)", "hpcgpu auto/hpcgpu auto varlen", None)
-        line("auto / auto varlen, e2e (FlashInfer vs varlen)", "e2e hpcgpu auto/hpcgpu auto varlen", None)
+        line("auto / auto varlen, loop", "hpcgpu auto/hpcgpu auto varlen", None)
+        line("auto / auto varlen, e2e", "e2e hpcgpu auto/hpcgpu auto varlen", None)
         auto = [x for x in res.get("hpcgpu auto", []) if x.get("bound")]
         if auto:
             shares = [x["bound"]["share"] for x in auto]
@@ -1145,7 +1146,7 @@ def print_end_to_end(rep: dict[str, Any]) -> None:
         a = statistics.median(x["e2e_s"] - x["elapsed_s"] for x in first)
         b = statistics.median(x["e2e_s"] - x["elapsed_s"] for x in again)
         print(f"cached start-up: hpcgpu auto {a:.1f} s with an empty compile cache, hpcgpu auto again {b:.1f} s "
-              f"right after it with the cache it left (torch.compile's and FlashInfer's kernels): {a - b:.1f} s saved")
+              f"right after it with the cache it left (torch.compile's kernels): {a - b:.1f} s saved")
     scales = {n: sorted({x.get("scale", 1) for x in runs}) for n, runs in have.items() if runs}
     if len({tuple(v) for v in scales.values()}) > 1:
         print("  (the variants read different row counts (--scale): an end-to-end ratio is one of tokens/s, not "

@@ -77,10 +77,10 @@ def folder_written_whole(out: Path) -> Iterator[Path]:
 
 def compile_cache(runs_dir: str | Path) -> Path:
     """The compiled kernels of every run under runs_dir: torch.compile's inductor and Triton caches
-    (TORCHINDUCTOR_CACHE_DIR, inductor/) and FlashInfer's (FLASHINFER_WORKSPACE_BASE), where the user has
-    not set them. One folder for the runs folder, not one a run: a second run on the machine (or the
-    cluster's shared filesystem) and a requeued job both find what the first start compiled (the caches
-    key their entries by torch/FlashInfer version, GPU and code, so runs can share them)."""
+    (TORCHINDUCTOR_CACHE_DIR, where the user has not set it). One folder for the runs folder, not one a
+    run: a second run on the machine (or on the cluster's shared filesystem) and a requeued job both find
+    what the first start compiled (inductor keys its entries by torch version, GPU and code, so runs can
+    share them; on an H100 a second 384-row infer run started in 27 s, the first ~50 s)."""
     return Path(runs_dir).expanduser() / ".compile-cache"
 
 

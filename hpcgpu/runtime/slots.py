@@ -34,8 +34,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hpcgpu.errors import HpcgpuError
-from hpcgpu.runtime.flashinfer_decode import FlashInferDecode, unavailable
 from hpcgpu.runtime.watchdog import beat
 
 log = logging.getLogger("hpcgpu")
@@ -173,15 +171,13 @@ DECODE_ATTENTION = "hpcgpu_slots"
 # the varlen kernel's per-step arguments, (cu_seqlens_q, cu_seqlens_k, seqused_k, width), set by the engine
 # whose decode step runs (tensors in its graph's memory: a replay reads them where the capture left them)
 VARLEN: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
-# FlashInfer's decode (runtime/flashinfer_decode.py) of the engine whose decode step runs, where it has one
-FLASHINFER: dict[str, FlashInferDecode] = {}
 
 
 def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """One query token a slot. Flat keys (slots x width rows, see slot_cache): FlashInfer's paged decode
-    where the engine has it (FLASHINFER), else PyTorch's flash-attention varlen kernel reads each slot's live columns [start, col] only (cu_seqlens_k at the slot's start,
+    """One query token a slot. Flat keys (slots x width rows, see slot_cache): PyTorch's flash-attention
+    varlen kernel reads each slot's live columns [start, col] only (cu_seqlens_k at the slot's start,
     seqused_k its length), grouped-query heads included: a step costs the bytes of the rows in flight,
     not of the cache's width. Otherwise sdpa with the 4D mask, grouped-query attention without
     repeat_kv (a KV head's query heads are g query rows against its keys: one read, not a copy per
@@ -196,9 +192,6 @@ def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                              enable_gqa=heads != key.shape[1])
         return out.transpose(1, 2), None
     if key.dim() == 3:
-        kernel = FLASHINFER.get("kernel")
-        if kernel is not None:
-            return kernel.attend(query, key, value, scaling if scaling is not None else dim ** -0.5), None
         cu_q, cu_k, used, width = VARLEN["args"]
         out = torch.ops.aten._flash_attention_forward(
             query.transpose(1, 2).reshape(n, heads, dim), key, value, cu_q, cu_k, 1, width, 0.0, False, False,
@@ -215,66 +208,34 @@ def decode_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
 
 
 def attention_mode(model: Any, device: torch.device, settings: "EngineSettings") -> tuple[str, str | None]:
-    """How decode steps attend (infer.attention), and why not the faster way: "flashinfer" (FlashInfer's
-    paged decode over each slot's live columns), "varlen" (PyTorch's flash varlen kernel, the same
-    columns), "flex" (flex_attention over each slot's live blocks, compiled; benchmarks only) or "sdpa"
-    (a 4D mask over the narrowest view width the running rows fit). auto takes the first that runs here;
-    asked for by name, FlashInfer where it cannot run is refused in one line."""
+    """How decode steps attend, and why not the faster way: "flex" (flex_attention over each slot's live
+    blocks, compiled), "varlen" (PyTorch's flash varlen kernel over each slot's live columns) or "sdpa"
+    (a 4D mask over the narrowest view width the running rows fit)."""
     config = model.config
     dtype = next(model.parameters()).dtype
-    dim = head_dims(config)[2]
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else 0)
     asked = settings.attention
     if (getattr(config, "_attn_implementation", None) or "eager") != "sdpa":
-        return refused_flashinfer(asked, f"attention {config._attn_implementation!r}") or (
-            "sdpa", f"attention {config._attn_implementation!r}")
+        return "sdpa", f"attention {config._attn_implementation!r}"
     if asked == "sdpa":
         return "sdpa", "asked"
     if asked == "flex":  # measured 2.2x slower than varlen at 512 slots on an H200: only when asked
         if dim >= 16 and dim & (dim - 1) == 0:
             return "flex", None
         return "sdpa", f"head dim {dim} (flex_attention takes powers of 2 from 16)"
-    on_gpu = gpu_problem(device)
-    flash = "asked" if asked == "varlen" else on_gpu or unavailable(dtype, dim)
-    if flash is None:
-        return "flashinfer", None
-    refused_flashinfer(asked, flash)
-    varlen = on_gpu or varlen_problem(dtype, dim)
-    return ("sdpa", varlen) if varlen else ("varlen", flash)
-
-
-def head_dims(config: Any) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a model's attention, from its config."""
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-    dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else 0)
-    return heads, getattr(config, "num_key_value_heads", None) or heads, dim
-
-
-def gpu_problem(device: torch.device) -> str | None:
-    """Why this device takes neither GPU decode kernel (None: it does)."""
     if device.type != "cuda":
-        return "not on a GPU"
-    if torch.cuda.get_device_capability(device) < (8, 0):
-        return "a GPU older than sm80"
-    return None
-
-
-def varlen_problem(dtype: torch.dtype, dim: int) -> str | None:
+        return "sdpa", "not on a GPU"
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"{str(dtype).replace('torch.', '')} weights (the varlen kernel takes fp16 and bf16)"
+        return "sdpa", f"{str(dtype).replace('torch.', '')} weights (the varlen kernel takes fp16 and bf16)"
     if not dim or dim % 8 or dim > 256:
-        return f"head dim {dim}"
+        return "sdpa", f"head dim {dim}"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "sdpa", "a GPU older than sm80"
     if "seqused_k" not in str(torch.ops.aten._flash_attention_forward.default._schema):
-        return f"torch {torch.__version__} has no seqused_k"
-    return None
-
-
-def refused_flashinfer(asked: str, why: str) -> None:
-    """infer.attention: flashinfer, asked by name where it cannot run: one line, not another kernel."""
-    if asked == "flashinfer":
-        raise HpcgpuError(f"infer.attention: flashinfer cannot run here: {why}; use auto (FlashInfer where it "
-                          "runs, else PyTorch's varlen kernel)")
-    return None
+        return "sdpa", f"torch {torch.__version__} has no seqused_k"
+    return "varlen", None
 
 
 def register_decode_attention() -> None:
@@ -350,7 +311,6 @@ class SlotEngine:
         # how a decode step attends (attention_mode): flex and varlen read each slot's live blocks or columns
         # whatever the width: one width, one graph, one compile
         self.mode, self.mode_why = attention_mode(model, device, settings)
-        self.flash = self._flashinfer(dtype) if self.mode == "flashinfer" else None
         self.widths = [settings.width] if self.mode != "sdpa" else view_widths(settings.width)
         int32 = dict(dtype=torch.int32, device=device)
         self.cu_q = torch.arange(n + 1, **int32)
@@ -375,21 +335,6 @@ class SlotEngine:
         register_decode_attention()
         self.row: list[int] = [-1] * n  # the input row each slot runs, -1: free
         self.gen: list[list[int]] = [[] for _ in range(n)]
-
-    def _flashinfer(self, dtype: torch.dtype) -> FlashInferDecode:
-        """FlashInfer's decode planned for these slots: its CUDA-core kernel, or where that plan splits a
-        slot's KV (too few slots for the GPU; a split cannot follow the lengths a captured step writes),
-        its tensor-core kernel unsplit (runtime/flashinfer_decode.py)."""
-        heads, kv_heads, dim = head_dims(self.model.config)
-        kernel = FlashInferDecode(self.s.slots, self.s.width, heads, kv_heads, dim, dtype, self.device)
-        if not kernel.plan_splits():
-            return kernel
-        setup_s = kernel.setup_s
-        del kernel  # its workspace
-        kernel = FlashInferDecode(self.s.slots, self.s.width, heads, kv_heads, dim, dtype, self.device,
-                                  tensor_cores=True)
-        kernel.setup_s += setup_s
-        return kernel
 
     # ------------------------------------------------ the loop
 
@@ -484,7 +429,7 @@ class SlotEngine:
         self.cache_kv = [(torch.zeros((n, w, k.shape[1], k.shape[3]), dtype=k.dtype, device=self.device),
                           torch.zeros((n, w, v.shape[1], v.shape[3]), dtype=v.dtype, device=self.device))
                          for k, v in kv]
-        self.cache = slot_cache(self.cache_kv, self.col, self.view, flat=self.mode in ("varlen", "flashinfer"))
+        self.cache = slot_cache(self.cache_kv, self.col, self.view, flat=self.mode == "varlen")
 
     # ------------------------------------------------ decode
 
@@ -527,11 +472,6 @@ class SlotEngine:
             index = (first[:, None] + self.blocks[None, :]).clamp(max=len(self.blocks) - 1).to(torch.int32)
             return BlockMask.from_kv_blocks(count, index[:, None, None, :], BLOCK_SIZE=FLEX_BLOCK, mask_mod=self.live,
                                             seq_lengths=(1, self.s.width), **FLEX_KW)
-        if self.mode == "flashinfer":
-            self.flash.update(self.start, self.col)
-            FLASHINFER["kernel"] = self.flash
-            return self.no_mask
-        FLASHINFER.pop("kernel", None)
         if self.mode == "varlen":
             cu_k = torch.cat([(self.base + self.start).to(torch.int32), self.total])
             used = (self.col - self.start + 1).to(torch.int32)
@@ -546,11 +486,8 @@ class SlotEngine:
         how = "compiled" if self.compile_off_why is None else "uncompiled"
         if self.mode == "flex":
             return f"flex_attention over each slot's live blocks, {how}"
-        if self.mode == "flashinfer":
-            return f"FlashInfer paged decode over each slot's live columns ({self.flash.describe()}), {how}"
         if self.mode == "varlen":
-            why = "asked" if self.mode_why == "asked" else f"not FlashInfer: {self.mode_why}"
-            return f"flash varlen over each slot's live columns ({why}), {how}"
+            return f"flash varlen over each slot's live columns, {how}"
         return f"sdpa over {len(self.widths)} view width(s) ({self.mode_why})"
 
     def decode(self) -> list[list[int]]:

@@ -354,11 +354,11 @@ class Infer:
         "engine slots: once 1/8 of the slots (at least one) are free, the next rows are prefilled into them "
         "while the other rows go on decoding; false: new rows only once every slot is free (a fixed batch, "
         "for comparison)"))
-    attention: Literal["auto", "flashinfer", "varlen", "sdpa"] = field(default="auto", metadata=meta(
-        "engine slots, on a GPU: how a decode step attends. auto: FlashInfer's paged decode where it is "
-        "installed (pip install 'hpcgpu[flashinfer]') and runs here, else PyTorch's flash varlen kernel; both "
-        "read each slot's live columns only. flashinfer: refused in one line where it cannot run; varlen; "
-        "sdpa: the model's own attention over a masked view (on a CPU every setting runs this one)"))
+    attention: Literal["auto", "varlen", "sdpa"] = field(default="auto", metadata=meta(
+        "engine slots: how a decode step attends. auto: PyTorch's flash varlen kernel over each slot's live "
+        "columns where it runs (a GPU of sm80 or newer, bf16/fp16 weights), else sdpa; varlen: the same; "
+        "sdpa: the model's own attention over a masked view of the cache (the start-up line says which and "
+        "why)"))
     kv_cache: Literal["dynamic", "static"] = field(default="dynamic", metadata=meta(
         "engine batches: generate's KV cache: dynamic (grows with the batch) or static (transformers' "
         "preallocated cache, sized by the first batch, the longest)"))

@@ -258,3 +258,14 @@ def test_rows_past_one_block_give_generates_tokens(attention: str) -> None:
     assert runner.engine.mode == attention, runner.engine.mode_why
     assert attention == "flex" or len(runner.engine.widths) >= 2
     assert run(runner, ids) == reference(sp, model, ids, rows)
+
+
+def test_infer_attention_reaches_the_engine_and_its_start_up_words() -> None:
+    """infer.attention: sdpa is the engine's choice, said as asked; auto on a CPU says why not varlen."""
+    rows, ids = rows_and_ids()
+    model = tiny_model("llama", None)
+    codec = Codec(ByteTokenizer(), "tiny")
+    asked = SlotRunner(spec(attention="sdpa"), model, codec, ids, rows, torch.device("cpu"), slots=4).engine
+    assert (asked.mode, asked.mode_why) == ("sdpa", "asked") and asked.attention.endswith("(asked)")
+    auto = SlotRunner(spec(), model, codec, ids, rows, torch.device("cpu"), slots=4).engine
+    assert (auto.mode, auto.mode_why) == ("sdpa", "not on a GPU")

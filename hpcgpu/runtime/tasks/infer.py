@@ -853,10 +853,8 @@ def _run(ctx: Context, spec: Spec, paths: RunPaths, metrics: MetricsWriter) -> i
     if ctx.is_main:
         outputs.repair_all(paths)
     ctx.barrier()  # no replica reads the replica files before they are whole
-    if why is None and ctx.device.type == "cuda":  # the slot engine's compiled decode step and kernels: cached
-        cache = compile_cache(spec.runs_dir)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
-        os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(cache))  # read when flashinfer is imported
+    if why is None and ctx.device.type == "cuda":  # the slot engine's compiled decode step: cached for the runs folder
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache(spec.runs_dir)))
     engine = make_engine(spec, model, codec, ids, rows, ctx.device, plan.inference.batch_size, why)
     tracking = metrics.tracking
     if tracking is not None:

@@ -1,23 +1,24 @@
-"""Decode attention through FlashInfer's paged decode kernel (infer.attention: flashinfer, or auto where
-it is installed): what the slot engine (runtime/slots.py) calls for every layer of a decode step.
+"""FlashInfer's paged decode the slot engine's way (issue #46), for benchmarks/decode_attention_probe.py's
+"flashinfer graph" rows: NOT in hpcgpu. On an H100 (FlashInfer 0.5.3, torch 2.x, CUDA 13) this plan-once,
+page-lists-written-on-the-device form passed a kernel test once (512 slots x 256 columns, CUDA-core
+kernel, in a captured graph, against masked sdpa) and failed everywhere else: illegal memory accesses
+(the probe at 512 x 640, the tensor-core kernel at 32 x 256 even uncaptured), "operation not supported
+on global/shared address space", and in the engine at 128 slots (tensor-core) greedy text that parted
+from varlen's in 49% of 384 rows. FlashInfer's kernels read a request's length from indptr before their
+`griddepcontrol.wait` (decode.cuh), so a programmatic dependent launch right after `update` reads stale
+lists: `enable_pdl=False` below; the crashes stayed. Planned at the exact lengths (no CUDA graph) the same
+kernel is right (max error 0.0038) and 2.0x the varlen kernel at 512 slots (the probe's "flashinfer" row).
 
 The slot cache is stored (slots, width, KV heads, head dim), contiguous: read as FlashInfer's NHD paged
 cache it is slots x width pages of page_size 1, so a slot's live columns [start, col] are the pages
 slot x width + start ... slot x width + col, whatever the column a row starts at (rows are left-padded
-in their prefill group). The kernel reads those pages only: a step costs the bytes of the rows in flight.
+in their prefill group). The kernel reads those pages only.
 
 Planned once, for every slot at the cache's full width, in FlashInfer's CUDA-graph mode (fixed buffers);
-each step then writes the slots' page lists (indptr, indices) into those buffers on the device, inside
-the captured graph, so the host never plans or syncs between steps. The kernel reads each slot's length
-from those lists; the plan must only not split a slot's KV over several blocks, since a split follows
-the planned lengths, not the step's. Its CUDA-core decode kernel never splits with as many (slot, KV
-head) pairs as the GPU runs blocks at once (512 slots of 8 KV heads on an H100: `plan_splits`); with
-fewer slots the engine takes its tensor-core kernel planned with `disable_split_kv` (one block a slot
-and KV head, whatever the lengths).
-
-Kernels: FlashInfer compiles them at the first use on a machine (nvcc, ninja), into
-$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer (the caller points it at the runs folder's compile cache
-where the user has not set it), and loads them from there afterwards.
+each step then writes the slots' page lists (indptr, indices) into those buffers on the device, so a
+captured step needs no host plan. A split of a slot's KV follows the planned lengths, not the step's:
+the CUDA-core kernel does not split with as many (slot, KV head) pairs as the GPU runs blocks at once
+(`plan_splits`); the tensor-core kernel is planned with `disable_split_kv`.
 """
 from __future__ import annotations
 
@@ -117,13 +118,16 @@ class FlashInferDecode:
             self.plan(scale)
         q = query.transpose(1, 2).reshape(self.slots, self.heads, self.dim)
         pages = (key.view(-1, 1, self.kv_heads, self.dim), value.view(-1, 1, self.kv_heads, self.dim))
-        out = self.wrapper.run(q, pages)
+        # no programmatic dependent launch: FlashInfer's kernels read a request's length from indptr before
+        # they wait on the kernel before them, which is update's when this is a step's first layer (with it
+        # on, an H100 read stale page lists: wrong rows, illegal addresses)
+        out = self.wrapper.run(q, pages, enable_pdl=False)
         return out.reshape(self.slots, 1, self.heads, self.dim)
 
     def describe(self) -> str:
         """Where its kernels came from, for the start-up line."""
         from flashinfer.jit import env
 
-        cores = "tensor-core kernel, one block a slot: too few slots for the CUDA-core one" if self.tensor_cores \
+        cores = "tensor-core kernel, unsplit: too few slots for the CUDA-core one" if self.tensor_cores \
             else "CUDA-core kernel"
         return f"{cores}; kernels ready in {self.setup_s:.1f}s, cached in {env.FLASHINFER_CACHE_DIR}"
