@@ -114,13 +114,15 @@ def make_private(path: Path, tighten: bool = False) -> None:
     except FileExistsError:
         if tighten:
             _chmod_if_mine(folder, 0o700)
-    try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.chmod(path, 0o600)  # an odd umask (0277) must not leave it read-only
-    except FileExistsError:
-        if tighten:
-            for name in (path.name, path.name + "-wal", path.name + "-shm"):
-                _chmod_if_mine(folder / name, 0o600)
+    if tighten and path.exists():
+        for name in (path.name, path.name + "-wal", path.name + "-shm"):
+            _chmod_if_mine(folder / name, 0o600)
+
+
+def private_file(path: Path) -> None:
+    """A new empty file, 0600 whatever the umask (an odd one, 0277, must not leave it read-only)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.chmod(path, 0o600)
 
 
 def _chmod_if_mine(path: Path, mode: int) -> None:
@@ -260,6 +262,8 @@ class Registry:
             return self._db
         try:
             make_private(self.path, tighten=self.path == default_registry_path())
+            if not self.path.exists():
+                self._make_file()
             db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
             db.row_factory = sqlite3.Row
             db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
@@ -288,6 +292,29 @@ class Registry:
                 pass
         except sqlite3.Error as exc:
             raise registry_error(self.path, exc) from None
+
+    def _make_file(self) -> None:
+        """A new registry appears whole: its schema and journal mode written in a file of its own, then
+        linked under the registry's name, where the first of several submits racing to make it wins and
+        the others use that one. (Made in place, a second process could open the empty file before the
+        first had switched it to WAL and not see its rows: 20 parallel submits left 18 rows.)"""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.new")
+        private_file(tmp)
+        try:
+            db = sqlite3.connect(str(tmp), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+            try:
+                self._create(db, journal_mode_for(self.path))
+            finally:
+                db.close()  # the last connection: its WAL is checkpointed into the file and removed
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                pass
+            except OSError:  # a filesystem without hard links: the rename can lose only such a race
+                if not self.path.exists():
+                    os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @staticmethod
     def _create(db: sqlite3.Connection, journal_mode: str = "WAL") -> None:
