@@ -95,6 +95,14 @@ def registry_path() -> Path:
     return Path(explicit).expanduser() if explicit else default_registry_path()
 
 
+def registry_files(path: Path | None = None) -> set[Path]:
+    """The registry's files, sqlite's beside it included: what no copy may open (a snapshot of a folder
+    holding them did: closing its descriptor drops the submitting process's POSIX locks on them, and
+    concurrent submits then overwrote each other's rows, 20 parallel submits leaving 11-19)."""
+    path = (path or registry_path()).expanduser().resolve()
+    return {path.with_name(path.name + suffix) for suffix in ("", "-wal", "-shm", "-journal")}
+
+
 def default_registry_path() -> Path:
     state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(state) / "hpcgpu" / "jobs.db"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpcgpu.contract import RunPaths
 from hpcgpu.errors import SpecError
+from hpcgpu.launch.registry import registry_files
 from hpcgpu.spec import Spec
 
 PACKAGES = ("hpcgpu", "torch", "transformers", "deepspeed", "peft")
@@ -62,7 +63,8 @@ def source_of(spec_file: str | os.PathLike) -> Source:
 
 
 def code_files(source: Source, runs_dir: Path) -> list[Path]:
-    """The files to copy, relative to the source's root; never anything under the runs dir."""
+    """The files to copy, relative to the source's root; never anything under the runs dir, nor the job
+    registry's files (registry_files), which a copy must not even open."""
     if source.git:
         out = git(source.root, "ls-files", "-co", "--exclude-standard", "-z") or ""
         names = [Path(n) for n in out.split("\0") if n]
@@ -71,7 +73,8 @@ def code_files(source: Source, runs_dir: Path) -> list[Path]:
         for folder, dirs, files in os.walk(source.root):
             dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not is_under(Path(folder, d), runs_dir)]
             names += [Path(folder, f).relative_to(source.root) for f in files]
-    return [n for n in names if not is_under(source.root / n, runs_dir)]
+    registry = registry_files()
+    return [n for n in names if not is_under(source.root / n, runs_dir) and (source.root / n).resolve() not in registry]
 
 
 def is_under(path: Path, folder: Path) -> bool:
@@ -117,7 +120,10 @@ def copy_snapshot(snapshot: Snapshot, dest: Path) -> None:
     for name, _ in snapshot.files:
         target = dest / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(snapshot.source.root / name, target, follow_symlinks=False)
+        try:
+            shutil.copy2(snapshot.source.root / name, target, follow_symlinks=False)
+        except FileNotFoundError:  # gone since it was listed (another program's temporary file): not code
+            pass
 
 
 def versions() -> dict[str, str | None]:
