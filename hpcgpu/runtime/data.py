@@ -185,36 +185,44 @@ class ExampleBlocks:
         return self.take(key)
 
 
-def trained_in(mask: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """The loss-mask ones in each span [starts[i], ends[i]): spans in order, apart, none empty. One sweep
-    over the (memory-mapped) mask."""
-    if not len(starts):
-        return np.zeros(0, dtype=np.int64)
-    bounds = np.stack([starts, ends], axis=1).reshape(-1)
-    if bounds[-1] >= len(mask):
-        bounds = bounds[:-1]  # the last span runs to the end, where reduceat stops
-    return np.add.reduceat(mask, bounds, dtype=np.int64)[::2]
+CHUNK_EXAMPLES = 4096  # examples whose loss mask is read at a time until one that trains is found
+
+
+def trains(mask: np.ndarray, start: int, end: int) -> bool:
+    """Whether the loss mask has a one in [start, end): reads that span only (the mask is memory-mapped)."""
+    return end > start and bool(mask[start:end].any())
+
+
+def some_example_trains(mask: np.ndarray, starts: np.ndarray, kept: np.ndarray) -> bool:
+    """Whether an example has a trainable token in its kept part (its first token is never a target):
+    the mask read a chunk of examples at a time, stopping at the first that trains (at once, for any
+    usable data), so a rank's start reads all of it only for data it refuses."""
+    for first in range(0, len(starts), CHUNK_EXAMPLES):
+        begins, kept_here = starts[first:first + CHUNK_EXAMPLES], kept[first:first + CHUNK_EXAMPLES]
+        base = int(begins[0])
+        chunk = np.asarray(mask[base:int(begins[-1] + kept_here[-1])])
+        if any(chunk[b + 1:b + k].any() for b, k in zip((begins - base).tolist(), kept_here.tolist())):
+            return True
+    return False
 
 
 def untrained_note(data: PreparedData, starts: np.ndarray, lengths: np.ndarray, seq_len: int, source: str) -> str:
     """The log line's words on examples that train nothing: the rows without a trainable token (the
-    manifest's count, trainable.py's rule) and those whose trainable tokens all lie past seq_len (an
-    example's first token is never a target). No example keeping one is an error: every loss would be 0."""
+    manifest's count, trainable.py's rule) and those whose trainable tokens all lie past seq_len (only the
+    examples longer than seq_len are read for it). No example keeping one is an error: every loss would
+    be 0."""
     assert data.mask is not None
-    kept = np.minimum(lengths, seq_len)
-    some = kept > 1
-    trains = np.zeros(len(lengths), dtype=bool)
-    trains[some] = trained_in(data.mask, starts[some] + 1, starts[some] + kept[some]) > 0
-    if not trains.any():
+    if not some_example_trains(data.mask, starts, np.minimum(lengths, seq_len)):
         raise HpcgpuError(f"{source}: no example has a trainable token in its first seq_len={seq_len} tokens, so "
                           "every step's loss would be 0; raise data.seq_len or give rows whose trained part "
                           "comes sooner")
-    long = (lengths > seq_len) & ~trains
-    lost = trained_in(data.mask, starts[long] + seq_len, starts[long] + lengths[long]) > 0
+    long = lengths > seq_len
+    lost = sum(1 for s, n in zip(starts[long].tolist(), lengths[long].tolist())
+               if not trains(data.mask, s + 1, s + seq_len) and trains(data.mask, s + seq_len, s + n))
     note = manifest_note(data.manifest)
     words = [note] if note else []
-    if lost.any():
-        words.append(f"{int(lost.sum()):,} lose every trainable token to the seq_len={seq_len} cut")
+    if lost:
+        words.append(f"{lost:,} lose every trainable token to the seq_len={seq_len} cut")
     return "".join(f"; {w}" for w in words)
 
 

@@ -2,30 +2,16 @@
 holds each distinct one once (tests/unit/test_quiet.py shows the rest under the local executor)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.slurm
-
-# a library that warns at every call (catch_warnings makes Python forget it showed it already)
-NOISY = '''
-import warnings
-
-
-def noisy_call():
-    with warnings.catch_warnings():
-        pass
-    warnings.warn("noisy_call is deprecated", FutureWarning)
-
-
-def main(ctx):
-    noisy_call()
-    noisy_call()
-    return 0
-'''
+NOISY_LIB = Path(__file__).resolve().parents[1] / "noisy_lib.py"  # a library that warns at every call
 
 
 def test_a_library_warning_is_in_each_ranks_log_once_not_in_the_jobs_err(slurm) -> None:
-    (slurm.tmp / "noisy_lib.py").write_text(NOISY)
+    (slurm.tmp / "noisy_lib.py").write_text(NOISY_LIB.read_text())
     spec = slurm.write_spec({"name": "noisy", "task": "callable", "entry": "noisy_lib:main",
                              "resources": {"nodes": 2, "gpus": 1, "cpus_per_gpu": 1, "time": "00:05:00"},
                              "env": {"PYTHONPATH": str(slurm.tmp)}})

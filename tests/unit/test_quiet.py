@@ -12,24 +12,7 @@ import pytest
 from conftest import EVAL_TEXT, REPO, job_env, only_run_dir, submit_all, train_spec, write_spec_file
 
 pytestmark = pytest.mark.slow
-
-# a library that warns at every call; catch_warnings (as many libraries use per call) makes Python
-# forget it already showed the warning, so a plain process prints it every time
-NOISY = '''
-import warnings
-
-
-def noisy_call():
-    with warnings.catch_warnings():
-        pass
-    warnings.warn("noisy_call is deprecated", FutureWarning)
-
-
-def main(ctx):
-    noisy_call()
-    noisy_call()
-    return 0
-'''
+NOISY_LIB = Path(__file__).resolve().parents[1] / "noisy_lib.py"  # a library that warns at every call
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +26,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess
                    capture_output=True, timeout=120, env=job_env())
     prompts = base / "prompts.jsonl"
     prompts.write_text("".join(f'{{"prompt": "def f{i}():"}}\n' for i in range(6)))
-    (base / "noisy_lib.py").write_text(NOISY)
+    (base / "noisy_lib.py").write_text(NOISY_LIB.read_text())
     one_rank = {"gpus": 1, "cpus_per_gpu": 1}
     specs = {
         "lora": train_spec("lora", resources=one_rank, model={"config": None, "name_or_path": str(model)},
